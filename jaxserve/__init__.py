@@ -1,0 +1,1 @@
+"""jaxserve: an LLM serving engine on JAX/XLA."""

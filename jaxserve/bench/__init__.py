@@ -1,0 +1,1 @@
+"""Speed benchmarks: throughput (offline) and serving."""

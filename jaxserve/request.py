@@ -1,0 +1,89 @@
+"""Request: one sequence's state as the scheduler sees it (no arrays, no JAX)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+class Request:
+    """One sequence. With n > 1 the engine makes n Requests (one per sample) sharing the prompt.
+
+    Token accounting: ``num_computed_tokens`` (tokens whose KV is in the cache) moves towards
+    ``num_tokens`` (prompt + generated). A step schedules ``num_tokens - num_computed_tokens`` or fewer;
+    when a step computes up to ``num_tokens`` the sampled token is appended.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.seed = seed  # resolved per-request RNG seed: same seed, same samples, whatever the batch
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks (prefix cache)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )

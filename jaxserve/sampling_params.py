@@ -1,0 +1,92 @@
+"""SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+# The most top-logprob alternatives a request may ask for; the sampler always computes this many.
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling and stopping for one request. Validated on construction: bad values raise ValueError."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 or -1: no limit
+    min_p: float = 0.0  # in [0, 1]
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 disables
+    seed: Optional[int] = None
+    stop: Optional[list[str] | str] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: Optional[int] = None  # number of top alternatives besides the sampled token
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(field: str, value, want: str) -> ValueError:
+            return ValueError(f"SamplingParams.{field}={value!r} is invalid: {want}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 to disable")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise bad(name, v, "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables it)")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1 (or None for up to max_model_len)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def uses_filters(self) -> bool:
+        """True when top-k / top-p / min-p cut the distribution (the sampler's sorting path)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)

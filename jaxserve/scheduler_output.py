@@ -1,0 +1,49 @@
+"""The contract between the scheduler (host, no arrays) and the model runner (device, no block objects)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    req_id: str
+    token_ids: list[int]  # the tokens to compute this step: all_token_ids[start_pos : start_pos + len]
+    start_pos: int  # num_computed_tokens before this step (position of token_ids[0])
+    block_ids: list[int]  # the sequence's whole block table (covers start_pos + len(token_ids) slots)
+    sample: bool  # this step reaches the sequence's last known token: a new token is sampled from it
+    sampling_params: SamplingParams
+    seed: int  # per-request RNG seed
+    num_output_tokens: int  # tokens generated so far (the sampler folds it into the key)
+    history: list[int]  # prompt + output tokens (read only; used by penalties), prompt first
+    num_prompt_tokens: int
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What to run this step. ``seqs`` order is the row order of the sampled tokens returned."""
+
+    seqs: list[ScheduledSeq]
+    num_batched_tokens: int  # sum of len(seq.token_ids)
+    preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """What one step produced, one row per scheduled sequence (rows of seqs with sample=False are unused)."""
+
+    sampled_token_ids: list[int]
+    # With logprobs asked for by any request in the batch: per row, the sampled token's logprob and rank,
+    # and the MAX_LOGPROBS best alternatives as (token_ids, logprobs). None otherwise.
+    sampled_logprobs: list[float] | None = None
+    sampled_ranks: list[int] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None

@@ -1,0 +1,1 @@
+"""Checkpoint loaders: Hugging Face directories, GGUF files, dummy weights."""

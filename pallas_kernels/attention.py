@@ -1,0 +1,63 @@
+"""One entry point for attention over the paged cache; the backend is chosen once, at start-up."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+
+from jaxserve.pallas_kernels.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference, write_kv
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_new: jax.Array,  # [T, K, D]
+    v_new: jax.Array,  # [T, K, D]
+    k_pages: jax.Array,  # [N, P, K, D]
+    v_pages: jax.Array,  # [N, P, K, D]
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reference backend: write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages)."""
+    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
+    out = ragged_paged_attention_reference(q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window)
+    return out, k_pages, v_pages
+
+
+def resolve_backend(name: str, platform: str) -> str:
+    """'auto' means the Pallas kernel on GPU/TPU once it exists, the jnp reference elsewhere."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
+    if name == "auto":
+        return "pallas" if platform in ("gpu", "cuda", "tpu") and _pallas_available(platform) else "reference"
+    return name
+
+
+def _pallas_available(platform: str) -> bool:
+    try:
+        from jaxserve.pallas_kernels import paged_attention_pallas  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def get_attention_fn(name: str, platform: str) -> AttentionFn:
+    backend = resolve_backend(name, platform)
+    if backend == "reference":
+        return paged_attention
+    try:
+        from jaxserve.pallas_kernels.paged_attention_pallas import paged_attention_pallas
+    except ImportError as e:
+        raise ValueError(
+            "attention_backend='pallas' is not available yet in this build; use attention_backend='reference'"
+        ) from e
+    return functools.partial(paged_attention_pallas, platform=platform)

@@ -1,0 +1,72 @@
+"""Pure-jnp ragged paged attention: the ground truth every kernel is tested against.
+
+KV cache layout (per layer): ``k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim]``.
+A token's flat slot is ``block_id * block_size + offset``; reshaping a cache to
+``[num_blocks * block_size, Hkv, D]`` turns a slot into a row index, which makes the write one scatter.
+
+Shape letters: T tokens, S sequences, H query heads, K kv heads, G = H // K (query heads per kv head),
+D head dim, B blocks per sequence (block-table width), P block size, C = B * P context slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.pallas_kernels.metadata import AttentionMetadata
+
+# Large negative instead of -inf: a fully masked row (a padding token) then gives a finite, ignored output.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def write_kv(
+    k_pages: jax.Array,  # [N, P, K, D]
+    v_pages: jax.Array,  # [N, P, K, D]
+    k_new: jax.Array,  # [T, K, D]
+    v_new: jax.Array,  # [T, K, D]
+    slot_mapping: jax.Array,  # [T] int32; out-of-range slots (padding) are dropped
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's keys and values into their cache slots (in place when the cache is donated)."""
+    n, p, k, d = k_pages.shape
+    k_flat = k_pages.reshape(n * p, k, d).at[slot_mapping].set(k_new.astype(k_pages.dtype), mode="drop")
+    v_flat = v_pages.reshape(n * p, k, d).at[slot_mapping].set(v_new.astype(v_pages.dtype), mode="drop")
+    return k_flat.reshape(n, p, k, d), v_flat.reshape(n, p, k, d)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [N, P, K, D] (already holding this step's keys)
+    v_pages: jax.Array,  # [N, P, K, D]
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:  # [T, H, D]
+    """Causal attention of each new token over its own sequence's cached context.
+
+    Each token gathers its sequence's pages (T x C x K x D): simple and exact, not fast. A kernel avoids
+    the gather; this is what it must agree with.
+    """
+    t, h, d = q.shape
+    _, p, kh, _ = k_pages.shape
+    g = h // kh
+    b = md.block_tables.shape[1]
+    c = b * p
+
+    tables = md.block_tables[md.token_seq_ids]  # [T, B]
+    k_ctx = k_pages[tables].reshape(t, c, kh, d)  # [T, C, K, D]
+    v_ctx = v_pages[tables].reshape(t, c, kh, d)
+    qg = q.reshape(t, kh, g, d).astype(jnp.float32)
+
+    scores = jnp.einsum("tkgd,tckd->tkgc", qg, k_ctx.astype(jnp.float32)) * scale  # [T, K, G, C]
+    ctx_pos = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
+    q_pos = md.positions[:, None]  # [T, 1]
+    seq_len = md.seq_lens[md.token_seq_ids][:, None]  # [T, 1]
+    visible = (ctx_pos <= q_pos) & (ctx_pos < seq_len)  # [T, C]
+    if sliding_window is not None:
+        visible &= ctx_pos > q_pos - sliding_window
+    scores = jnp.where(visible[:, None, None, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None, :], probs, 0.0)
+    out = jnp.einsum("tkgc,tckd->tkgd", probs, v_ctx.astype(jnp.float32))
+    return out.reshape(t, h, d).astype(q.dtype)
