@@ -1,0 +1,80 @@
+"""Host-side building of one step's padded input arrays from the scheduler's output (numpy only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from jaxserve.scheduler_output import ScheduledSeq
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Padded numpy arrays for one step; field meanings as in AttentionMetadata."""
+
+    input_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int32
+    token_seq_ids: np.ndarray  # [T] int32
+    query_start_loc: np.ndarray  # [S+1] int32
+    seq_lens: np.ndarray  # [S] int32
+    block_tables: np.ndarray  # [S, B] int32
+    logits_indices: np.ndarray  # [S] int32
+
+
+def build_step_inputs(
+    seqs: list[ScheduledSeq],
+    *,
+    num_tokens_padded: int,
+    num_seqs_padded: int,
+    block_width: int,
+    block_size: int,
+    num_blocks: int,
+) -> StepInputs:
+    """Flatten the ragged batch and pad it to (T, S, B). Padding as AttentionMetadata's docstring says."""
+    s_real = len(seqs)
+    q_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, s_real)  # [s_real]
+    starts = np.fromiter((s.start_pos for s in seqs), np.int32, s_real)  # [s_real]
+    t_real = int(q_lens.sum())
+    t_pad, s_pad = num_tokens_padded, num_seqs_padded
+
+    input_ids = np.zeros(t_pad, np.int32)
+    input_ids[:t_real] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, t_real)
+
+    query_start_loc = np.full(s_pad + 1, t_real, np.int32)
+    query_start_loc[0] = 0
+    np.cumsum(q_lens, out=query_start_loc[1 : s_real + 1])
+
+    seq_lens = np.zeros(s_pad, np.int32)
+    seq_lens[:s_real] = starts + q_lens
+
+    token_seq_ids = np.full(t_pad, s_pad - 1, np.int32)
+    token_seq_ids[:t_real] = np.repeat(np.arange(s_real, dtype=np.int32), q_lens)
+
+    positions = np.zeros(t_pad, np.int32)
+    positions[:t_real] = np.arange(t_real, dtype=np.int32) - np.repeat(query_start_loc[:s_real] - starts, q_lens)
+
+    block_tables = np.zeros((s_pad, block_width), np.int32)
+    for i, s in enumerate(seqs):
+        n = -(-int(seq_lens[i]) // block_size)
+        block_tables[i, :n] = s.block_ids[:n]
+
+    slot_mapping = np.full(t_pad, num_blocks * block_size, np.int32)  # out of range: write dropped
+    tok_pos = positions[:t_real]
+    slot_mapping[:t_real] = block_tables[token_seq_ids[:t_real], tok_pos // block_size] * block_size + tok_pos % block_size
+
+    logits_indices = np.zeros(s_pad, np.int32)
+    logits_indices[:s_real] = query_start_loc[1 : s_real + 1] - 1
+
+    return StepInputs(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        token_seq_ids=token_seq_ids,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        logits_indices=logits_indices,
+    )

@@ -1,0 +1,49 @@
+"""Static-shape buckets: every step is padded up to one of a few shapes, all compiled at start-up."""
+
+from __future__ import annotations
+
+import bisect
+
+
+def _doubling(start: int, stop: int) -> list[int]:
+    """start, 2*start, ... up to and including stop (stop itself is always the last bucket)."""
+    out, b = [], start
+    while b < stop:
+        out.append(b)
+        b *= 2
+    out.append(stop)
+    return out
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    """Padded flat-token counts T: powers of two from ``smallest`` up to the token budget."""
+    return _doubling(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
+
+
+def seq_bucket_for(num_tokens_bucket: int, max_num_seqs: int) -> int:
+    """Padded sequence count S for a token bucket: a step has at most min(T, max_num_seqs) sequences.
+
+    Tying S to T keeps the number of compiled shapes equal to the number of token buckets.
+    """
+    return min(num_tokens_bucket, max_num_seqs)
+
+
+def block_width_buckets(max_blocks_per_seq: int, block_size: int, full_width_only: bool) -> list[int]:
+    """Block-table widths B. A kernel that loops over the real context needs only the full width; the
+    jnp reference gathers B * block_size slots per token, so it gets context buckets (256, x4, ...)."""
+    if full_width_only:
+        return [max_blocks_per_seq]
+    out, b = [], max(1, 256 // block_size)
+    while b < max_blocks_per_seq:
+        out.append(b)
+        b *= 4
+    out.append(max_blocks_per_seq)
+    return out
+
+
+def pick(buckets: list[int], value: int) -> int:
+    """The smallest bucket >= value."""
+    i = bisect.bisect_left(buckets, value)
+    if i == len(buckets):
+        raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]

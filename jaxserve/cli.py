@@ -1,0 +1,128 @@
+"""The `jaxserve` command: generate, serve, bench. Engine flags use vLLM's names (dashes or underscores)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from jaxserve.config import EngineArgs
+
+_HELP = {
+    "model": "HF model directory, .gguf file, or omit for the embedded default (SmolLM2-135M-Instruct)",
+    "dtype": "auto (bfloat16 on GPU/TPU, float32 on CPU), float32, bfloat16, float16",
+    "max_model_len": "context length (default: the model's)",
+    "max_num_seqs": "most sequences in one step (default 256 on accelerators, 64 on CPU)",
+    "max_num_batched_tokens": "token budget of one step (default 2048 on accelerators, 256 on CPU)",
+    "block_size": "tokens per KV cache block",
+    "gpu_memory_utilization": "fraction of accelerator memory the engine may use",
+    "num_gpu_blocks_override": "fix the number of KV cache blocks",
+    "cpu_kv_cache_space": "GiB of KV cache on CPU (default 1)",
+    "enforce_eager": "run without the whole-step jit (slow; for debugging and comparison)",
+    "attention_backend": "auto, reference (pure jnp) or pallas",
+    "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
+    "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    """One flag per EngineArgs field; `--max-model-len` and `--max_model_len` both work."""
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "model" and positional_model:
+            parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None, help=_HELP["model"])
+        names = [f"--{f.name.replace('_', '-')}"]
+        if "_" in f.name:
+            names.append(f"--{f.name}")
+        hint = hints[f.name]
+        base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Union else hint
+        help_text = _HELP.get(f.name, "") + (f" (default: {f.default})" if f.default not in (None, False) else "")
+        if base is bool:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            group.add_argument(*names, dest=f.name, type=base, default=f.default, help=help_text)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    if getattr(ns, "model_pos", None) and not values["model"]:
+        values["model"] = ns.model_pos
+    return EngineArgs(**values)
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    import time
+
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**dataclasses.asdict(args))
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed_sampling)
+    prompt = ns.prompt
+    start = time.perf_counter()
+    if ns.chat:
+        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    dt = time.perf_counter() - start
+    comp = out.outputs[0]
+    print(comp.text)
+    print(
+        f"\n[{len(comp.token_ids)} tokens in {dt:.2f}s: {len(comp.token_ids) / dt:.1f} tokens/s, "
+        f"finish_reason={comp.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="jaxserve: LLM serving on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt and print it with tokens/s")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap the prompt as a user turn in the model's chat template (default: on)")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=128)
+    gen.add_argument("--seed-sampling", dest="seed_sampling", type=int, default=None, help="sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    try:
+        from jaxserve.server.cli_args import add_serve_parser
+    except ImportError:
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub, add_engine_args)
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (load generator), sweep")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from jaxserve.bench import throughput
+
+    throughput.add_parser(bench_sub, add_engine_args)
+    try:
+        from jaxserve.bench import serve as bench_serve
+    except ImportError:
+        bench_serve = None
+    if bench_serve is not None:
+        bench_serve.add_parser(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns) or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""EngineArgs (flags named as vLLM's) and the frozen, grouped configs they are parsed into once.
+
+Values found at run time (the number of KV blocks that fit, the compiled buckets) are returned by the
+model runner; they are never written back into these configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Optional
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto",)
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Every engine option, with vLLM's names. ``None`` means "pick a good default for this machine"."""
+
+    model: Optional[str] = None  # HF directory, .gguf file or directory holding one; None: the embedded default
+    tokenizer: Optional[str] = None  # defaults to the model's own
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
+    max_model_len: Optional[int] = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: Optional[int] = None  # defaults: 256 on accelerators, 64 on CPU
+    max_num_batched_tokens: Optional[int] = None  # defaults: 2048 on accelerators, 256 on CPU
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: Optional[int] = None  # fix the number of KV blocks (tests, experiments)
+    cpu_kv_cache_space: Optional[float] = None  # GiB of KV cache on CPU (default 1 GiB, bounded by need)
+    kv_cache_dtype: str = "auto"
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto | reference | pallas
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    max_logprobs: int = 20
+    compilation_cache_dir: Optional[str] = None  # JAX's persistent compilation cache; "" turns it off
+    trust_remote_code: bool = False
+    enable_lora: bool = False
+    disable_log_stats: bool = False
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """Build from keyword options; an unknown option is an error naming the closest known ones."""
+        known = set(cls.field_names())
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ValueError(f"unknown engine option {key!r}{hint} (known options: {', '.join(sorted(known))})")
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        """Reject values no engine could run with, naming the option and what would work."""
+
+        def bad(name: str, want: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {want}")
+
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"choose one of {DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"only {KV_CACHE_DTYPES} is implemented so far (fp8 KV cache is planned)")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"choose one of {LOAD_FORMATS}")
+        if self.attention_backend not in ("auto", "reference", "pallas"):
+            raise bad("attention_backend", "choose one of ('auto', 'reference', 'pallas')")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:
+            raise bad("block_size", "must be a power of two between 1 and 128")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise bad(name, "must be a positive integer (or unset for the default)")
+        if self.cpu_kv_cache_space is not None and self.cpu_kv_cache_space <= 0:
+            raise bad("cpu_kv_cache_space", "must be a positive number of GiB")
+        if self.tensor_parallel_size != 1:
+            raise bad("tensor_parallel_size", "tensor parallelism is not implemented yet; use 1")
+        if self.data_parallel_size != 1:
+            raise bad("data_parallel_size", "data parallelism is not implemented yet; use 1")
+        if self.enable_lora:
+            raise bad("enable_lora", "LoRA serving is not implemented yet; leave it off")
+        if self.trust_remote_code:
+            raise bad("trust_remote_code", "jaxserve runs only its own model code; leave it False")
+        if self.max_logprobs < 0 or self.max_logprobs > 20:
+            raise bad("max_logprobs", "must be in [0, 20]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What model runs, in which dtype, over how long a context."""
+
+    model: str  # resolved path
+    model_format: str  # "safetensors" | "gguf" | "dummy"
+    served_model_name: str
+    dtype: str  # "float32" | "bfloat16" | "float16" (resolved)
+    max_model_len: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: Optional[int]
+    cpu_kv_cache_space: Optional[float]
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    enforce_eager: bool
+    attention_backend: str  # resolved: "reference" | "pallas"
+    compilation_cache_dir: Optional[str]
+    platform: str  # "cpu" | "gpu" | "tpu"

@@ -1,0 +1,136 @@
+"""From EngineArgs to a ready engine: resolve defaults for this machine, load, size the cache, compile."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Optional
+
+from jaxserve.config import CacheConfig, EngineArgs, ModelConfig, RunnerConfig, SchedulerConfig
+
+logger = logging.getLogger("jaxserve")
+
+# Defaults per platform: CPUs want small batches; accelerators want large ones.
+_DEFAULTS = {
+    "cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 256},
+    "accel": {"max_num_seqs": 256, "max_num_batched_tokens": 2048},
+}
+
+
+@dataclasses.dataclass
+class EngineComponents:
+    args: EngineArgs
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    runner_config: RunnerConfig
+    text_config: Any
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    runner: Any
+    scheduler: Any
+
+
+def enable_compilation_cache(cache_dir: Optional[str]) -> Optional[str]:
+    """JAX's persistent compilation cache, on by default, so a second start skips compiling."""
+    import jax
+
+    if cache_dir == "":
+        return None
+    cache_dir = cache_dir or os.environ.get("JAXSERVE_CACHE_DIR") or os.path.expanduser("~/.cache/jaxserve/xla")
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return cache_dir
+
+
+def current_platform() -> str:
+    import jax
+
+    p = jax.default_backend()
+    return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+def build_engine_components(args: EngineArgs, progress: bool = True) -> EngineComponents:
+    import jax.numpy as jnp
+
+    from jaxserve.model_loader import load_model, load_tokenizer, resolve_model_path
+    from jaxserve.model_runner import ModelRunner
+    from jaxserve.pallas_kernels.attention import get_attention_fn, resolve_backend
+    from jaxserve.scheduler import Scheduler
+
+    args.validate()
+    platform = current_platform()
+    enable_compilation_cache(args.compilation_cache_dir)
+    path, fmt = resolve_model_path(args.model, args.load_format)
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    backend = resolve_backend(args.attention_backend, platform)
+    attention_fn = get_attention_fn(backend, platform)
+
+    t0 = time.perf_counter()
+    model, text_config = load_model(path, fmt, dtype=jnp.dtype(dtype), attention_fn=attention_fn, seed=args.seed)
+    load_s = time.perf_counter() - t0
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path, fmt, args.tokenizer)
+
+    model_max = text_config.max_position_embeddings
+    max_model_len = args.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
+    defaults = _DEFAULTS["cpu" if platform == "cpu" else "accel"]
+    max_num_seqs = args.max_num_seqs or defaults["max_num_seqs"]
+    max_batched = args.max_num_batched_tokens or defaults["max_num_batched_tokens"]
+    if not args.enable_chunked_prefill:
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={args.max_num_batched_tokens} is smaller than max_model_len={max_model_len}; "
+                "without chunked prefill a whole prompt must fit in one step: raise it, lower max_model_len, or "
+                "enable chunked prefill"
+            )
+        max_batched = max(max_batched, max_model_len)
+    max_num_seqs = min(max_num_seqs, max_batched)
+
+    served = args.served_model_name or _default_served_name(args.model, path)
+    model_config = ModelConfig(path, fmt, served, dtype, max_model_len, args.seed)
+    cache_config = CacheConfig(
+        args.block_size, args.gpu_memory_utilization, args.num_gpu_blocks_override, args.cpu_kv_cache_space,
+        args.kv_cache_dtype, args.enable_prefix_caching,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs, max_batched, max_model_len, args.enable_chunked_prefill, args.long_prefill_token_threshold
+    )
+    runner_config = RunnerConfig(args.enforce_eager, backend, args.compilation_cache_dir, platform)
+    runner = ModelRunner(model, text_config, model_config, cache_config, scheduler_config, runner_config)
+    del model
+    scheduler = Scheduler(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        max_model_len=max_model_len,
+        block_size=args.block_size,
+        num_blocks=runner.num_blocks,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+    )
+    compile_s = runner.warmup(progress=progress)
+    logger.info(
+        "jaxserve ready: %s (%s, %s) loaded in %.1fs, %d KV blocks, %d step shapes compiled in %.1fs",
+        served, fmt, dtype, load_s, runner.num_blocks, len(runner.token_buckets) * len(runner.width_buckets), compile_s,
+    )
+    eos = set(text_config.eos_token_ids or ())
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return EngineComponents(
+        args, model_config, cache_config, scheduler_config, runner_config, text_config, tokenizer,
+        tuple(sorted(eos)), runner, scheduler,
+    )
+
+
+def _default_served_name(model: Optional[str], path: str) -> str:
+    if model is None:
+        from jaxserve.models.loader.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    return model

@@ -1,0 +1,64 @@
+"""Sizing and allocating the paged KV cache (one (k_pages, v_pages) pair per layer)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import CacheConfig
+
+logger = logging.getLogger("jaxserve")
+
+_CPU_DEFAULT_KV_GIB = 1.0
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
+    """K and V for every layer, for one block of block_size tokens."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def num_blocks_for(
+    cache: CacheConfig,
+    *,
+    platform: str,
+    block_bytes: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    activation_reserve_bytes: int,
+) -> int:
+    """How many KV blocks to allocate: fixed by the override, else from a memory budget.
+
+    On accelerators the budget is gpu_memory_utilization of the device's memory minus what is in use
+    (weights) and a reserve for the step's activations. On CPU it is cpu_kv_cache_space GiB (1 GiB by
+    default), bounded by what max_num_seqs full-length sequences could ever use.
+    """
+    blocks_per_seq = math.ceil(max_model_len / cache.block_size)
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    if platform == "cpu":
+        budget = (cache.cpu_kv_cache_space or _CPU_DEFAULT_KV_GIB) * (1 << 30)
+        num = int(budget // block_bytes)
+        num = min(num, max_num_seqs * blocks_per_seq + 1)
+    else:
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0)
+        in_use = stats.get("bytes_in_use", 0)
+        budget = limit * cache.gpu_memory_utilization - in_use - activation_reserve_bytes
+        num = int(budget // block_bytes)
+    if num < blocks_per_seq:
+        raise ValueError(
+            f"the KV cache holds only {num} blocks of {cache.block_size} tokens ({num * cache.block_size} tokens), "
+            f"less than one sequence of max_model_len={max_model_len} needs; lower max_model_len, or raise "
+            f"{'cpu_kv_cache_space' if platform == 'cpu' else 'gpu_memory_utilization'}"
+        )
+    return num
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype):
+    """Zeroed pages on the default device: list of (k_pages, v_pages), each [N, P, K, D]."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, dtype))
+    return [(make(), make()) for _ in range(num_layers)]

@@ -1,0 +1,126 @@
+"""LLM: the offline API, as vLLM's (generate and chat over the same engine loop the server uses)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineArgs
+from jaxserve.llm_engine import LLMEngine, PromptType
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    >>> llm = LLM()  # the embedded default model (SmolLM2-135M-Instruct)
+    >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        progress = kwargs.pop("use_tqdm_on_load", True)
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns outputs in prompt order.
+
+        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is
+        one SamplingParams for all, or a list with one per prompt. A bad prompt raises ValueError before any
+        request is queued, so nothing half-runs.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries but there are {len(prompts)} prompts; "
+                    "pass one SamplingParams or one per prompt"
+                )
+        engine = self.llm_engine
+        for i, (p, sp) in enumerate(zip(prompts, params)):  # validate everything before queueing anything
+            try:
+                _, ids = engine.tokenize_prompt(p)
+                engine.validate_prompt(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [str(next(self._ids)) for _ in prompts]
+        for rid, p, sp in zip(ids, prompts, params):
+            engine.add_request(rid, p, sp)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Conversation, Sequence[Conversation]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, chat_template=None, add_generation_prompt=True):
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer, but skip_tokenizer_init=True")
+        return render_chat(tok, conversation, chat_template, add_generation_prompt)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        finals: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, leave=False)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        finals[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+        finally:
+            bar.close()
+            if pending:
+                engine.abort_request(list(pending))
+        return [finals[i] for i in ids]
+
+
+def render_chat(tokenizer, conversation: Conversation, chat_template=None, add_generation_prompt=True) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template (no double BOS)."""
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
+    out = tokenizer.apply_chat_template(
+        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
+        out = out["input_ids"]
+    return list(out)

@@ -1,0 +1,193 @@
+"""LLMEngine: add requests, step, collect outputs. The one loop behind LLM.generate and the server."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from typing import Any, Optional, Union
+
+from jaxserve.engine_setup import EngineComponents, build_engine_components
+from jaxserve.config import EngineArgs
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.output_processor import OutputProcessor, RequestGroup, SampleState
+from jaxserve.outputs import RequestOutput
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+PromptType = Union[str, list[int], dict]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """A snapshot for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_prompt_tokens: int  # cumulative, prompt tokens computed (prefix-cache hits excluded)
+    num_generation_tokens: int  # cumulative
+    num_preemptions: int  # cumulative
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler, model runner and output processor. Not thread-safe: one caller."""
+
+    def __init__(self, components: EngineComponents) -> None:
+        c = components
+        self.args = c.args
+        self.model_config = c.model_config
+        self.scheduler_config = c.scheduler_config
+        self.text_config = c.text_config
+        self.tokenizer = c.tokenizer
+        self.runner = c.runner
+        self.scheduler = c.scheduler
+        self.eos_token_ids = c.eos_token_ids
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._rng = random.Random(self.model_config.seed)
+        self.num_generation_tokens = 0
+        self.num_prompt_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, progress: bool = True) -> "LLMEngine":
+        return cls(build_engine_components(args, progress=progress))
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """Accepts a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer, but skip_tokenizer_init=True; pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
+
+    def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.model_config.max_model_len
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens long, but max_model_len={max_len} leaves no room to generate; "
+                f"shorten the prompt to at most {max_len - 1} tokens or raise max_model_len"
+            )
+        vocab = self.text_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.args.max_logprobs}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        """Queue a request; raises ValueError for bad input without disturbing other requests."""
+        params = params or SamplingParams()
+        if request_id in self.output_processor.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(prompt_ids, params)
+        room = self.model_config.max_model_len - len(prompt_ids)
+        if params.max_tokens is None or params.max_tokens > room:
+            params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        samples = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            seed = self._seed_for(params.seed, i)
+            req = Request(child_id, prompt_ids, params, self.eos_token_ids, seed=seed, arrival_time=arrival)
+            detok = None
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            samples.append(SampleState(request=req, index=i, detokenizer=detok))
+        group = RequestGroup(request_id, text, prompt_ids, samples, arrival)
+        self.output_processor.add(group)
+        for s in samples:
+            self.scheduler.add_request(s.request)
+
+    def _seed_for(self, seed: Optional[int], index: int) -> int:
+        """Per-sample seed: the user's seed (mixed with the sample index for n > 1) or a fresh one."""
+        if seed is None:
+            return self._rng.getrandbits(32)
+        return (seed * 1_000_003 + index) & 0xFFFFFFFF if index else seed & 0xFFFFFFFF
+
+    def abort_request(self, request_ids: Union[str, list[str]]) -> list[RequestOutput]:
+        """Stop requests at once and free their KV blocks; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for rid in request_ids:
+            children = self.output_processor.child_ids(rid)
+            if not children:
+                continue
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            out = self.output_processor.abort(rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return outputs of the requests that progressed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        runner_out = self.runner.execute(sched)
+        rows = {seq.req_id: i for i, seq in enumerate(sched.seqs) if seq.sample}
+        for seq in sched.seqs:
+            if seq.start_pos < seq.num_prompt_tokens:
+                self.num_prompt_tokens += min(len(seq.token_ids), seq.num_prompt_tokens - seq.start_pos)
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        self.num_generation_tokens += sum(1 for seq in sched.seqs if seq.sample)
+        outputs, stopped = self.output_processor.process(updated, rows, runner_out)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=getattr(s, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(s, "prefix_cache_hits", 0),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_preemptions=getattr(s, "num_preemptions", 0),
+        )
+
+    def info(self) -> dict[str, Any]:
+        """What was built: for logs, /version and benchmarks."""
+        return {
+            "model": self.model_config.served_model_name,
+            "dtype": self.model_config.dtype,
+            "max_model_len": self.model_config.max_model_len,
+            "num_kv_blocks": self.runner.num_blocks,
+            "block_size": self.runner.block_size,
+            "kv_cache_gib": round(self.runner.kv_cache_bytes / (1 << 30), 3),
+            "token_buckets": self.runner.token_buckets,
+            "attention_backend": self.runner.runner_config.attention_backend,
+        }

@@ -1,0 +1,95 @@
+"""Finding and loading a model: an HF directory, a GGUF file, dummy weights, or the embedded default."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from typing import Optional
+
+logger = logging.getLogger("jaxserve")
+
+
+def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str]:
+    """Returns (path, format) where format is "safetensors" | "gguf" | "dummy"."""
+    if model is None:
+        from jaxserve.models.loader.default_model import default_model_path
+
+        path = default_model_path()
+        return path, "dummy" if load_format == "dummy" else "gguf"
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model={model!r} is a file but not a .gguf file; pass a GGUF file or an HF model directory")
+        return path, "dummy" if load_format == "dummy" else "gguf"
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "config.json")):
+            if load_format == "gguf":
+                raise ValueError(f"load_format='gguf' but {path} is a Hugging Face directory (config.json)")
+            return path, "dummy" if load_format == "dummy" else "safetensors"
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            return ggufs[0], "dummy" if load_format == "dummy" else "gguf"
+        if len(ggufs) > 1:
+            raise ValueError(f"{path} holds several GGUF files ({', '.join(map(os.path.basename, ggufs))}); name one")
+        raise ValueError(f"{path} has neither config.json (a Hugging Face model) nor a .gguf file")
+    raise ValueError(
+        f"model={model!r} was not found on disk. jaxserve loads local models only (no hub downloads): pass a "
+        "Hugging Face model directory (config.json + *.safetensors + tokenizer), a .gguf file, or nothing for "
+        "the embedded default model"
+    )
+
+
+def load_model(path: str, fmt: str, *, dtype, attention_fn, seed: int = 0):
+    """Returns (model, TextModelConfig)."""
+    from jaxserve.models.config import TextModelConfig
+
+    if fmt == "safetensors":
+        from jaxserve.models.loader.hf import load_hf_model
+
+        return load_hf_model(path, dtype=dtype, attention_fn=attention_fn)
+    if fmt == "gguf":
+        from jaxserve.models.loader.gguf import read_gguf
+        from jaxserve.models.loader.weights import load_from_hf_tensors
+
+        ckpt = read_gguf(path)
+        cfg = TextModelConfig.from_hf_config(ckpt.hf_config)
+        model = load_from_hf_tensors(cfg, ckpt.tensors(), dtype=dtype, attention_fn=attention_fn)
+        return model, cfg
+    if fmt == "dummy":
+        from jaxserve.models.loader.dummy import load_dummy_model
+
+        cfg = TextModelConfig.from_hf_config(read_hf_config(path))
+        return load_dummy_model(cfg, dtype=dtype, attention_fn=attention_fn, seed=seed), cfg
+    raise ValueError(f"unknown model format {fmt!r}")
+
+
+def read_hf_config(path: str) -> dict:
+    """The config dict of an HF directory or a GGUF file."""
+    if path.endswith(".gguf"):
+        from jaxserve.models.loader.gguf import read_gguf
+
+        return read_gguf(path).hf_config
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def load_tokenizer(path: str, fmt: str, tokenizer: Optional[str] = None):
+    """transformers' fast tokenizer for the model (from its directory, or built from GGUF metadata)."""
+    if tokenizer is not None:
+        path, fmt = tokenizer, ("gguf" if tokenizer.endswith(".gguf") else "safetensors")
+    if path.endswith(".gguf"):
+        from jaxserve.models.loader.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ValueError(
+            f"could not load a tokenizer from {path}: {e}. Add tokenizer files to the model directory, pass "
+            "tokenizer=..., or run with skip_tokenizer_init=True and token-id prompts"
+        ) from e

@@ -1,0 +1,184 @@
+"""ModelRunner: the only part of the engine that touches the device.
+
+It owns the split model ``(graphdef, state)``, the paged KV cache (donated into every step so XLA
+updates it in place), and one jitted step per static shape bucket. Each step: pad the scheduler's
+ragged batch to a bucket, run the model, take the logits of each sequence's last token, sample on
+device, and copy the sampled tokens back in one transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxserve import buckets
+from jaxserve.batch_builder import StepInputs, build_step_inputs
+from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
+from jaxserve.pallas_kernels.metadata import AttentionMetadata
+from jaxserve.sampler import sample, to_runner_output
+from jaxserve.sampling_metadata import SamplingMetadata
+from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("jaxserve")
+
+
+def _forward(graphdef, state, kv_caches, input_ids, md: AttentionMetadata):
+    """Pure step: (params, cache, batch) -> (logits of each sequence's last token [S, V], new cache)."""
+    model = nnx.merge(graphdef, state)
+    hidden, kv_caches = model(input_ids, kv_caches, md)  # [T, E]
+    logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
+    return logits, kv_caches
+
+
+class ModelRunner:
+    """Runs steps of the model over the paged KV cache, padded to precompiled buckets."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        text_config,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        runner_config: RunnerConfig,
+    ) -> None:
+        self.text_config = text_config
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.runner_config = runner_config
+        self.block_size = cache_config.block_size
+        self.graphdef, self.state = nnx.split(model)
+        self._eager_model = model if runner_config.enforce_eager else None
+        self.dtype = jnp.dtype(model_config.dtype)
+
+        self.max_blocks_per_seq = math.ceil(model_config.max_model_len / self.block_size)
+        self.token_buckets = buckets.token_buckets(scheduler_config.max_num_batched_tokens)
+        self.width_buckets = buckets.block_width_buckets(
+            self.max_blocks_per_seq, self.block_size, full_width_only=runner_config.attention_backend != "reference"
+        )
+
+        cfg = text_config
+        block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.dtype)
+        self.num_blocks = num_blocks_for(
+            cache_config,
+            platform=runner_config.platform,
+            block_bytes=block_bytes,
+            max_model_len=model_config.max_model_len,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            activation_reserve_bytes=self._activation_reserve_bytes(),
+        )
+        self.kv_cache_bytes = self.num_blocks * block_bytes
+        self.kv_caches = allocate_kv_caches(
+            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+        )
+        self._step = jax.jit(_forward, static_argnums=0, donate_argnums=2)
+        self._sample = jax.jit(sample)
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ sizing
+
+    def _activation_reserve_bytes(self) -> int:
+        """A generous bound on one step's temporaries at the largest bucket (accelerators only)."""
+        cfg = self.text_config
+        t = self.scheduler_config.max_num_batched_tokens
+        s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
+        per_token = 4 * (cfg.hidden_size * 8 + cfg.intermediate_size * 3 + cfg.num_attention_heads * cfg.head_dim * 4)
+        logits = 4 * s * cfg.vocab_size * 4
+        return int(t * per_token + logits + (512 << 20))
+
+    # ------------------------------------------------------------------ step
+
+    def _shapes_for(self, sched: SchedulerOutput) -> tuple[int, int, int]:
+        t = buckets.pick(self.token_buckets, sched.num_batched_tokens)
+        s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
+        longest = max(seq.start_pos + len(seq.token_ids) for seq in sched.seqs)
+        b = buckets.pick(self.width_buckets, math.ceil(longest / self.block_size))
+        return t, s, b
+
+    @staticmethod
+    def _metadata(x: StepInputs) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=x.positions,
+            slot_mapping=x.slot_mapping,
+            token_seq_ids=x.token_seq_ids,
+            query_start_loc=x.query_start_loc,
+            seq_lens=x.seq_lens,
+            block_tables=x.block_tables,
+            logits_indices=x.logits_indices,
+        )
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; rows of the result follow ``sched.seqs``."""
+        t, s, b = self._shapes_for(sched)
+        x = build_step_inputs(
+            sched.seqs,
+            num_tokens_padded=t,
+            num_seqs_padded=s,
+            block_width=b,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+        )
+        sampling_md = SamplingMetadata.from_seqs(sched.seqs, s, self._history_len(sched))
+        out = self._run(x, sampling_md)
+        self.num_steps += 1
+        return to_runner_output(jax.device_get(out), len(sched.seqs))
+
+    def _history_len(self, sched: SchedulerOutput) -> int:
+        if not any(seq.sampling_params.uses_penalties for seq in sched.seqs):
+            return 0
+        longest = max(len(seq.history) for seq in sched.seqs)
+        return min(1 << max(4, (longest - 1).bit_length()), self.model_config.max_model_len)
+
+    def _run(self, x: StepInputs, sampling_md: SamplingMetadata):
+        md = self._metadata(x)
+        if self._eager_model is not None:
+            hidden, self.kv_caches = self._eager_model(jnp.asarray(x.input_ids), self.kv_caches, md)
+            logits = self._eager_model.compute_logits(hidden[md.logits_indices])
+            return sample(logits, sampling_md)
+        logits, self.kv_caches = self._step(self.graphdef, self.state, self.kv_caches, x.input_ids, md)
+        return self._sample(logits, sampling_md)
+
+    # ------------------------------------------------------------------ compile
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every (token bucket x block-width bucket) step and the sampler variants; returns seconds.
+
+        Runs dummy batches that write only to out-of-range slots, so the cache is untouched.
+        """
+        if self._eager_model is not None:
+            return 0.0
+        start = time.perf_counter()
+        shapes = [(t, b) for t in self.token_buckets for b in self.width_buckets]
+        bar = tqdm(shapes, desc="Compiling step buckets", unit="shape", disable=not progress, leave=False)
+        for t, b in bar:
+            bar.set_postfix_str(f"tokens={t} ctx={b * self.block_size}")
+            s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
+            x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
+            logits, self.kv_caches = self._step(self.graphdef, self.state, self.kv_caches, x.input_ids, self._metadata(x))
+            for md in SamplingMetadata.warmup_variants(s):
+                jax.block_until_ready(self._sample(logits, md))
+        return time.perf_counter() - start
+
+
+def _dummy_inputs(t: int, s: int, b: int, dropped_slot: int) -> StepInputs:
+    """A batch of padding only: every KV write lands out of range and is dropped."""
+    zeros_t = np.zeros(t, np.int32)
+    return StepInputs(
+        input_ids=zeros_t,
+        positions=zeros_t,
+        slot_mapping=np.full(t, dropped_slot, np.int32),
+        token_seq_ids=zeros_t,
+        query_start_loc=np.zeros(s + 1, np.int32),
+        seq_lens=np.zeros(s, np.int32),
+        block_tables=np.zeros((s, b), np.int32),
+        logits_indices=np.zeros(s, np.int32),
+    )

@@ -1,0 +1,164 @@
+"""Turns the scheduler's per-step token updates into RequestOutputs: detokenization, stop strings,
+logprobs, and the grouping of n > 1 samples under one request id."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+from jaxserve.detokenizer import IncrementalDetokenizer, decode_token
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.request import Request
+from jaxserve.scheduler_output import ModelRunnerOutput
+
+
+@dataclasses.dataclass
+class SampleState:
+    """Host-side state of one sample (one child Request)."""
+
+    request: Request
+    index: int
+    detokenizer: Optional[IncrementalDetokenizer]
+    logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
+    stop_reason: Optional[int | str] = None
+    finish_reason: Optional[str] = None
+
+    def completion(self) -> CompletionOutput:
+        req = self.request
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.output_text if self.detokenizer else "",
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclasses.dataclass
+class RequestGroup:
+    """A user request: its prompt and its n samples."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    samples: list[SampleState]
+    arrival_time: float
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.samples],
+            finished=self.finished,
+            num_cached_tokens=self.samples[0].request.num_cached_tokens,
+            metrics={
+                "arrival_time": self.arrival_time,
+                "first_token_time": self.first_token_time,
+                "finish_time": self.finish_time,
+            },
+        )
+
+
+class OutputProcessor:
+    """Keeps the groups and samples; processes one step's updated requests."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}
+        self.samples: dict[str, tuple[RequestGroup, SampleState]] = {}  # child request id -> state
+
+    def add(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+        for s in group.samples:
+            self.samples[s.request.request_id] = (group, s)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        group = self.groups.get(request_id)
+        return [s.request.request_id for s in group.samples] if group else []
+
+    def process(
+        self, updated: list[Request], rows: dict[str, int], runner_out: Optional[ModelRunnerOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (outputs of the groups touched, child ids a stop string finished: the scheduler must free them)."""
+        now = time.monotonic()
+        touched: dict[str, RequestGroup] = {}
+        stopped_by_string: list[str] = []
+        for req in updated:
+            entry = self.samples.get(req.request_id)
+            if entry is None:
+                continue
+            group, state = entry
+            if group.first_token_time is None and req.output_token_ids:
+                group.first_token_time = now
+            token = req.output_token_ids[-1] if req.output_token_ids else None
+            if token is not None and runner_out is not None and req.request_id in rows:
+                self._add_logprobs(state, token, rows[req.request_id], runner_out)
+            if state.detokenizer is not None and token is not None:
+                state.detokenizer.update([token])
+                if state.detokenizer.stop_string is not None and not req.is_finished:
+                    stopped_by_string.append(req.request_id)
+                    state.finish_reason = "stop"
+                    state.stop_reason = state.detokenizer.stop_string
+            if req.is_finished and state.finish_reason is None:
+                state.finish_reason = req.status.finish_reason
+                state.stop_reason = req.stop_reason
+                if state.detokenizer is not None:
+                    state.detokenizer.finish()
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            if group.finished:
+                group.finish_time = now
+            outputs.append(group.output())
+            if group.finished:
+                self._drop(group)
+        return outputs, stopped_by_string
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for s in group.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        group.finish_time = time.monotonic()
+        self._drop(group)
+        return group.output()
+
+    def _drop(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for s in group.samples:
+            self.samples.pop(s.request.request_id, None)
+
+    def _add_logprobs(self, state: SampleState, token: int, row: int, out: ModelRunnerOutput) -> None:
+        k = state.request.sampling_params.logprobs
+        if k is None or out.sampled_logprobs is None:
+            return
+        lp = float(out.sampled_logprobs[row])
+        entry = {token: Logprob(lp, int(out.sampled_ranks[row]), self._decode(token))}
+        for tid, tlp in zip(out.top_token_ids[row][:k], out.top_logprobs[row][:k]):
+            tid = int(tid)
+            if tid not in entry:
+                entry[tid] = Logprob(float(tlp), len(entry) if tid != token else None, self._decode(tid))
+        # Ranks of alternatives are their place in the top list.
+        for rank, tid in enumerate(out.top_token_ids[row][:k], start=1):
+            if int(tid) != token:
+                entry[int(tid)].rank = rank
+        if state.logprobs is None:
+            state.logprobs = []
+        state.logprobs.append(entry)
+        state.cumulative_logprob = (state.cumulative_logprob or 0.0) + lp
+
+    def _decode(self, token: int) -> Optional[str]:
+        return decode_token(self.tokenizer, token) if self.tokenizer is not None else None
