@@ -1,0 +1,134 @@
+"""Engine features on a tiny checkpoint: sampling seeds, n>1, stop strings, logprobs, errors, compiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_fixtures import checkpoint, small_engine_kwargs
+from tiny_models import hf_logits
+
+from jaxserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs())
+
+
+def _ids(n, seed=0):
+    return np.random.default_rng(seed).integers(2, 500, size=n).tolist()
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    p = {"prompt_token_ids": _ids(9)}
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": _ids(n, seed=n)} for n in (3, 17, 30)]
+    batch = llm.generate(others[:2] + [p] + others[2:], [SamplingParams(temperature=1.0, max_tokens=10)] * 2 + [sp] + [SamplingParams(temperature=0.7, max_tokens=5)], use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    other_seed = llm.generate([p], sp.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_samples_share_prompt_and_differ(llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": _ids(12)}], sp, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    again = llm.generate([{"prompt_token_ids": _ids(12)}], sp, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_logprobs_match_hf_log_softmax(llm):
+    path = checkpoint("llama_gqa")
+    prompt = _ids(10)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, logprobs=5), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    ids = prompt + comp.token_ids
+    logits = hf_logits(path, ids)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    for step, entry in enumerate(comp.logprobs):
+        row = logp[len(prompt) - 1 + step]
+        tok = comp.token_ids[step]
+        assert entry[tok].rank == 1
+        assert abs(entry[tok].logprob - row[tok]) < 1e-4
+        top5 = np.argsort(-row)[:5]
+        assert set(top5) <= set(entry)
+        for t in top5:
+            assert abs(entry[int(t)].logprob - row[t]) < 1e-4
+
+
+def test_stop_strings_cut_text(llm):
+    prompt = "hello world"
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    text = full.text
+    if len(text) < 4:
+        pytest.skip("the tiny model produced too little text to cut")
+    stop = text[2:4]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.text == text[: text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_max_tokens_and_finish_reasons(llm):
+    out = llm.generate([{"prompt_token_ids": _ids(5)}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
+    stop_tok = out.outputs[0].token_ids[1]
+    out2 = llm.generate([{"prompt_token_ids": _ids(5)}], SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert out2.outputs[0].finish_reason == "stop" and out2.outputs[0].stop_reason == stop_tok
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ("", SamplingParams(), "empty"),
+        ({"prompt_token_ids": list(range(2, 200))}, SamplingParams(), "max_model_len"),
+        ({"prompt_token_ids": [5, 100000]}, SamplingParams(), "vocabulary"),
+    ],
+)
+def test_bad_prompts_raise_and_engine_goes_on(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate(["ok"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_and_unimplemented_options():
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(checkpoint("llama_gqa"), max_modle_len=64)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(checkpoint("llama_gqa"), tensor_parallel_size=2)
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids == list(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def test_steady_state_compiles_nothing_new(llm):
+    """Every bucket was compiled at start-up: a varied workload afterwards adds no compiled programs."""
+    runner = llm.llm_engine.runner
+    before = (runner._step._cache_size(), runner._sample._cache_size())
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (1, 4, 15, 31, 60, 90)]
+    params = [SamplingParams(temperature=t, top_p=tp, top_k=k, max_tokens=m, seed=1) for t, tp, k, m in
+              [(0, 1, 0, 5), (1.0, 0.9, 0, 9), (0.8, 1, 20, 3), (0, 1, 0, 30), (1.0, 1, 0, 12), (0.5, 0.5, 5, 7)]]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert (runner._step._cache_size(), runner._sample._cache_size()) == before
