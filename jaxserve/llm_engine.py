@@ -69,6 +69,8 @@ class LLMEngine:
             else:
                 raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give some text or prompt_token_ids")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, but skip_tokenizer_init=True; pass prompt_token_ids")
             return prompt, self.tokenizer.encode(prompt)

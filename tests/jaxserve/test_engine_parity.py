@@ -89,7 +89,7 @@ def test_no_chunked_prefill_and_eager_mode_agree():
     path = checkpoint("qwen3_qknorm")
     prompts = _prompts(4, lens=(5, 20, 47))
     want = [hf_greedy(path, p, 6) for p in prompts]
-    llm = LLM(path, **small_engine_kwargs(enable_chunked_prefill=False))
+    llm = LLM(path, **small_engine_kwargs(enable_chunked_prefill=False, max_num_batched_tokens=128))
     assert _generate(llm, prompts, 6) == want
     eager = LLM(path, **small_engine_kwargs(enforce_eager=True))
     assert _generate(eager, prompts, 6) == want

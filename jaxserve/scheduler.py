@@ -1,0 +1,271 @@
+"""Continuous-batching scheduler: which requests run each step, and how many tokens each computes.
+
+One rule for every request (see the design guide): a scheduled request computes
+``min(num_tokens - num_computed_tokens, remaining budget)`` tokens. A fresh prompt, a chunk of a long
+prompt, a decode step, a prompt partly served by the prefix cache, and a preempted request catching up
+are all this one rule; there is no separate prefill phase. Each step takes the running requests first,
+in admission order, then admits waiting ones first come first served while the token budget,
+``max_num_seqs`` and free KV blocks last.
+
+Under KV pressure the scheduler preempts by recompute: the most recently admitted running request
+gives its blocks back and goes to the front of the queue, to recompute prompt + generated tokens later
+(often mostly from the prefix cache) and carry on exactly where it stopped.
+
+Pure Python, no arrays. Not thread safe: ``schedule`` and ``update_from_output`` must alternate on the
+engine thread, and aborts must be delivered there too.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable
+
+from jaxserve.block_manager import KVCacheManager
+from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+
+
+class Scheduler:
+    """Decides each step's batch and applies its results (new tokens, stop checks, freeing blocks)."""
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens} and "
+                f"max_model_len={max_model_len} must all be >= 1"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len} without "
+                "chunked prefill: a long prompt could never be scheduled. Raise --max-num-batched-tokens, "
+                "lower --max-model-len, or enable chunked prefill."
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        # Only chunked prefill may split a prompt, so the cap means nothing without it.
+        self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        # A request alone in the cache must always fit, or preempting everyone else would not help it:
+        # so a request ends with "length" once it fills the cache, even if max_model_len is larger.
+        self.max_len = min(max_model_len, self.kv.max_num_tokens)
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.waiting: collections.deque[Request] = collections.deque()  # FIFO; preempted go in front
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0  # total, for metrics
+
+    # ---- queries ----
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up in the prefix cache (each admission's whole sequence)."""
+        return self.kv.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens served from the prefix cache."""
+        return self.kv.prefix_cache_hits
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError if its prompt could never be scheduled (the engine
+        should have rejected it with a better message already)."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if n > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {n} tokens is longer than "
+                f"max_model_len={self.max_model_len}"
+            )
+        if n > self.kv.max_num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {n} tokens does not fit in the KV cache "
+                f"({self.kv.num_usable_blocks} blocks x {self.kv.block_size} = {self.kv.max_num_tokens} "
+                "tokens). Give the cache more memory (--gpu-memory-utilization, --num-gpu-blocks-override) "
+                "or lower --max-model-len."
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (client abort, stop string found by the detokenizer) and
+        free their blocks at once. Unknown or already finished ids are ignored. If one of them is in the
+        step now running, ``update_from_output`` skips its row."""
+        assert status.finished, status
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        for req_id in req_ids:
+            request = self.requests.pop(req_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self.kv.free(request)
+
+    # ---- the step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV blocks (preempting if needed)."""
+        budget = self.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+
+        # Running requests first, in admission order; a victim is always taken from the unscheduled end.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                seqs.append(self._scheduled_seq(request, num_new))
+                budget -= num_new
+                i += 1
+
+        # Then waiting ones, FIFO. Not after a preemption: the cache is full, and admitting now would
+        # only preempt again next step.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - num_cached
+            if not self.enable_chunked_prefill and remaining > budget:
+                break  # waits for a step with room for the whole prompt; FIFO, so nobody overtakes it
+            num_new = self._num_new_tokens(request, num_cached, budget)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:  # first admission, not a preempted one's return
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            seqs.append(self._scheduled_seq(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            seqs=seqs,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted_req_ids=preempted,
+        )
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results. Returns the requests that got a new token or finished, in the order
+        they were scheduled; finished ones have already released their blocks."""
+        updated: list[Request] = []
+        any_finished = False
+        for row, seq in enumerate(sched_out.seqs):
+            request = self.requests.get(seq.req_id)
+            if request is None:  # finished by finish_requests while the step ran
+                continue
+            assert request.num_computed_tokens == seq.start_pos, (request, seq.start_pos)
+            request.num_computed_tokens += len(seq.token_ids)
+            if seq.sample:
+                request.append_output_token(runner_out.sampled_token_ids[row])
+                self._check_stop(request)
+                updated.append(request)
+            # Before freeing: a finished request's blocks stay revivable for a follow-up turn.
+            self.kv.cache_full_blocks(request)
+            if request.is_finished:
+                any_finished = True
+                del self.requests[request.request_id]
+                self.kv.free(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return updated
+
+    # ---- helpers ----
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return min(num_new, budget)
+
+    def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledSeq(
+            req_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=self.kv.get_block_ids(request),
+            sample=end == request.num_tokens,
+            sampling_params=request.sampling_params,
+            seed=request.seed,
+            num_output_tokens=request.num_output_tokens,
+            history=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # In front: it was admitted before everything still waiting. Several victims of one step are
+        # taken newest first, so pushing each to the front keeps them in admission order.
+        self.waiting.appendleft(request)
+
+    def _check_stop(self, request: Request) -> None:
+        """Stop checks after a token is appended. A stop token wins over a length limit reached by the
+        same token, so finish_reason says why the model stopped."""
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return
+        if request.num_tokens >= self.max_len or (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH

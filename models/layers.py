@@ -1,0 +1,172 @@
+"""Shared NNX building blocks for decoder-only text models: Linear, Embed, RMSNorm, RoPE, gated MLP.
+
+Shape letters (used in comments and names throughout jaxserve.models):
+    T  tokens in the flat ragged batch this step     S  sequences in the batch
+    D  hidden size (embed)                           F  MLP intermediate size
+    V  vocabulary size                               H  query heads
+    K  key/value heads                               Dh head dim
+    R  rotary frequencies (Dh // 2)
+
+Logical axis names on parameters (mapped to mesh axes by one rules table elsewhere):
+    "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp".
+A fused heads dimension (H * Dh) is named after its heads: sharding it in contiguous chunks keeps whole
+heads together whenever the mesh axis divides the head count.
+
+Parameters are created with ``eager_sharding=False``: the names are metadata only (read with
+``nnx.get_partition_spec``), so building a model never needs a mesh in context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models.config import TextModelConfig
+
+# HF initialises projections with normal(0, initializer_range=0.02); dummy weights use the same scale.
+_INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs | None, shape, param_dtype, axes: tuple[str | None, ...], init: str) -> nnx.Param:
+    assert len(shape) == len(axes), (shape, axes)
+    if init == "normal":
+        value = jax.random.normal(rngs.params(), shape, param_dtype) * _INIT_STD
+    elif init == "ones":
+        value = jnp.ones(shape, param_dtype)
+    else:
+        value = jnp.zeros(shape, param_dtype)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias). ``kernel`` is [in, out]: Hugging Face's [out, in] weight transposed."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str, str],
+        use_bias: bool = False,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.dtype = dtype
+        self.kernel = _param(rngs, (in_features, out_features), param_dtype, axes, "normal")
+        self.bias = _param(rngs, (out_features,), param_dtype, axes[1:], "zeros") if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # x [T, in] -> [T, out]
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))  # [T, out]
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]; ``attend`` reuses it as a tied output head."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.embedding = _param(rngs, (vocab_size, hidden_size), param_dtype, ("vocab", "embed"), "normal")
+
+    def __call__(self, ids: jax.Array) -> jax.Array:  # ids [T] int32 -> [T, D]
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:  # x [S, D] -> logits [S, V] float32
+        table = self.embedding[...]  # [V, D]
+        return jnp.dot(x.astype(table.dtype), table.T, preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """HF's RMSNorm: normalise in float32, cast back to the input dtype, then scale (that order matters
+    in bf16, where scaling before the cast would round differently from the checkpoint's training)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype, axis_name: str = "embed"):
+        self.eps = eps
+        self.scale = _param(None, (dim,), param_dtype, (axis_name,), "ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # x [..., dim] -> same shape and dtype
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [..., 1]
+        normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return self.scale[...].astype(x.dtype) * normed
+
+
+class GatedMLP(nnx.Module):
+    """down(silu(gate(x)) * up(x)): the SwiGLU feed-forward of Llama-family models."""
+
+    def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, axes=("embed", "mlp"), **kw)
+        self.up_proj = Linear(d, f, axes=("embed", "mlp"), **kw)
+        self.down_proj = Linear(f, d, axes=("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # x [T, D] -> [T, D]
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, F]
+        return self.down_proj(h)
+
+
+# ----- rotary position embedding -----
+
+
+def rope_inv_freq(cfg: TextModelConfig) -> np.ndarray:  # [R] float32
+    """Inverse frequencies of RoPE with the config's scaling, computed in float32 as HF does.
+
+    A config-derived constant: numpy at trace time, folded into the compiled step.
+    """
+    dim = cfg.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)  # [R]
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)  # [R]
+    params = cfg.rope_scaling_dict()
+    rope_type = cfg.rope_type
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(_rope_param(params, "factor"))
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, params)
+    return inv_freq.astype(np.float32)
+
+
+def _rope_param(params: dict, key: str) -> float:
+    if key not in params:
+        raise ValueError(f"rope_scaling of type {params.get('rope_type')!r} needs {key!r}; got {params}")
+    return float(params[key])
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, params: dict) -> np.ndarray:  # [R] -> [R]
+    """Llama 3.1's frequency-dependent scaling: long wavelengths are divided by ``factor``, short ones
+    kept, and the band between is interpolated smoothly."""
+    factor = np.float32(_rope_param(params, "factor"))
+    low = np.float32(_rope_param(params, "low_freq_factor"))
+    high = np.float32(_rope_param(params, "high_freq_factor"))
+    old_len = np.float32(_rope_param(params, "original_max_position_embeddings"))
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = np.float32(2 * math.pi) / inv_freq  # [R]
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)  # [R]
+    smooth = (old_len / wavelen - low) / (high - low)  # [R]
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables for the tokens' positions: [T, Dh] float32 each (halves repeated, HF layout)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, R]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, Dh]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [T, N, Dh] by cos/sin [T, Dh] (the rotate-half convention of HF checkpoints); float32
+    math, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)  # [T, N, Dh]
+    out = x32 * cos[:, None, :] + rotated * sin[:, None, :]
+    return out.astype(x.dtype)

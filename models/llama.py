@@ -1,0 +1,151 @@
+"""One decoder-only model for the Llama family: Llama 1/2/3, SmolLM2, Mistral, Qwen2 and Qwen3.
+
+They share one block (pre-norm attention with RoPE, then a gated MLP); the differences are config
+switches: q/k/v bias (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), a sliding window (Mistral,
+Qwen2/3 when enabled), tied embeddings (SmolLM2, small Qwens) and the RoPE scaling type (Llama 3.1+).
+
+Module attribute names follow the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``), so
+the weight loader maps names mechanically (see jaxserve.models.loader.weights).
+
+The model reads and writes the paged KV cache only through ``attention_fn`` and never owns the cache:
+caches come in as arguments and go out as results, which lets the runner donate them to the jitted step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models.config import TextModelConfig
+from jaxserve.models.layers import Embed, GatedMLP, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxserve.pallas_kernels.attention import AttentionFn
+from jaxserve.pallas_kernels.metadata import AttentionMetadata
+
+KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_blocks, block_size, K, Dh]
+
+
+class LlamaAttention(nnx.Module):
+    """Multi-head attention with grouped KV heads over the paged cache."""
+
+    def __init__(self, cfg: TextModelConfig, layer_idx: int, *, dtype, param_dtype, attention_fn: AttentionFn, rngs):
+        d, h, k, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear(d, h * dh, axes=("embed", "q_heads"), use_bias=cfg.attention_bias, **kw)
+        self.k_proj = Linear(d, k * dh, axes=("embed", "kv_heads"), use_bias=cfg.attention_bias, **kw)
+        self.v_proj = Linear(d, k * dh, axes=("embed", "kv_heads"), use_bias=cfg.attention_bias, **kw)
+        self.o_proj = Linear(h * dh, d, axes=("q_heads", "embed"), use_bias=cfg.o_proj_bias, **kw)
+        if cfg.qk_norm:
+            norm_kw = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype, axis_name="head_dim")
+            self.q_norm = RMSNorm(dh, **norm_kw)
+            self.k_norm = RMSNorm(dh, **norm_kw)
+        else:
+            self.q_norm = self.k_norm = None
+        # Static (not Variables): they become part of the graphdef, hence of the jit cache key.
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
+        self.scale = dh**-0.5
+        self.sliding_window = cfg.layer_sliding_window(layer_idx)
+        self.attention_fn = attention_fn
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D]
+        cos: jax.Array,  # [T, Dh] float32
+        sin: jax.Array,  # [T, Dh] float32
+        kv: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # ([T, D], updated cache)
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)  # [T, H, Dh]
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, Dh]
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, Dh]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, k_pages, v_pages = self.attention_fn(
+            q, k, v, kv[0], kv[1], md, scale=self.scale, sliding_window=self.sliding_window
+        )  # out [T, H, Dh]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_pages, v_pages)
+
+
+class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: TextModelConfig, layer_idx: int, *, dtype, param_dtype, attention_fn, rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = LlamaAttention(
+            cfg, layer_idx, dtype=dtype, param_dtype=param_dtype, attention_fn=attention_fn, rngs=rngs
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = GatedMLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv: KVCache, md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        # x [T, D] -> [T, D]
+        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class LlamaModel(nnx.Module):
+    """Embedding, the decoder stack (unrolled: a Python loop over an nnx.List) and the final norm."""
+
+    def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, attention_fn, rngs):
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [
+                LlamaDecoderLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, attention_fn=attention_fn, rngs=rngs)
+                for i in range(cfg.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    ``__call__`` runs the decoder on a flat ragged batch and returns final-normed hidden states;
+    ``compute_logits`` turns the few rows the sampler needs into float32 logits, so the [T, V] logits
+    of a long prefill are never materialised.
+    """
+
+    def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, attention_fn: AttentionFn, rngs: nnx.Rngs):
+        self.config = cfg
+        _inv_freq(cfg)  # a bad rope_scaling dict fails here, at build time, not in the first step
+        self.model = LlamaModel(cfg, dtype=dtype, param_dtype=param_dtype, attention_fn=attention_fn, rngs=rngs)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(
+                cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # [T] int32
+        kv_caches: list[KVCache],  # one per layer
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, list[KVCache]]:  # (hidden [T, D], updated caches)
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers")
+        x = self.model.embed_tokens(input_ids)  # [T, D]
+        cos, sin = rope_cos_sin(md.positions, _inv_freq(self.config))  # [T, Dh] each
+        new_caches = []
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x, kv = layer(x, cos, sin, kv, md)
+            new_caches.append(kv)
+        return self.model.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # hidden [S, D] (already normed) -> [S, V] float32
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(hidden)
+        kernel = self.lm_head.kernel[...]  # [D, V]
+        return jnp.dot(hidden.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_freq(cfg: TextModelConfig) -> np.ndarray:  # [R] float32
+    return rope_inv_freq(cfg)

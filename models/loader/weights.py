@@ -1,0 +1,164 @@
+"""Fill an abstract model with real weights from Hugging Face-named tensors.
+
+The model's attribute names mirror the checkpoint's, so a parameter's path *is* its tensor name after
+two renames: the NNX leaf (``kernel`` / ``embedding`` / ``scale``) is HF's ``weight``, and a ``kernel``
+is stored [in, out] where HF stores [out, in]. Nothing else needs a table.
+
+Memory: tensors are read, moved to the device, transposed and cast one at a time, so the host never
+holds more than one tensor (the tensor source is expected to be lazy, like the safetensors reader).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxserve.models.config import TextModelConfig
+from jaxserve.models.registry import abstract_model
+from jaxserve.pallas_kernels.attention import AttentionFn
+
+# Tensors some checkpoints carry that the model recomputes or does not use.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+_LEAF_TO_HF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
+
+# Anything with ``.shape`` that np.asarray accepts (numpy arrays, jax arrays, safetensors' numpy output).
+Tensor = Any
+
+
+def hf_name(path: tuple) -> str:
+    """('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel') -> 'model.layers.0.self_attn.q_proj.weight'."""
+    *modules, leaf = (str(p) for p in path)
+    if leaf not in _LEAF_TO_HF:
+        raise ValueError(f"parameter {'.'.join(map(str, path))} has no Hugging Face naming rule (leaf {leaf!r})")
+    return ".".join([*modules, _LEAF_TO_HF[leaf]])
+
+
+def hf_shape(path: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The checkpoint shape of a parameter: kernels are transposed, everything else is as stored."""
+    return tuple(reversed(shape)) if str(path[-1]) == "kernel" else tuple(shape)
+
+
+def expected_tensors(abstract_model: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> checkpoint shape, for every parameter of the model."""
+    _, state = nnx.split(abstract_model)
+    return {hf_name(path): hf_shape(path, var.get_value().shape) for path, var in nnx.to_flat_state(state)}
+
+
+def check_tensor_names(expected: Iterable[str], found: Iterable[str], *, tied_embeddings: bool) -> None:
+    """Raise ValueError listing missing and unexpected tensors (before any tensor is read)."""
+    expected, found = set(expected), set(found)
+    missing = sorted(expected - found)
+    unexpected = sorted(n for n in found - expected if not _ignorable(n, tied_embeddings))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {_clip(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {_clip(unexpected)}")
+    if problems:
+        raise ValueError(
+            "checkpoint does not match the model config: "
+            + "; ".join(problems)
+            + " (do the config and the weights come from the same model?)"
+        )
+
+
+def _ignorable(name: str, tied_embeddings: bool) -> bool:
+    # Some tied checkpoints still save the (identical) output head.
+    return name.endswith(_IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight")
+
+
+def load_weights(
+    abstract_model: nnx.Module,
+    tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+    *,
+    tied_embeddings: bool,
+    shardings: Any = None,
+    progress: bool = False,
+) -> nnx.Module:
+    """A real model: ``abstract_model``'s structure with every parameter taken from ``tensors``.
+
+    ``tensors`` is either a mapping from HF names to arrays (may be lazy: each lookup reads one
+    tensor; names are checked before anything is read) or a stream of ``(name, array)`` pairs (as
+    the GGUF reader yields them; checked as they arrive). Each parameter gets the dtype of its
+    abstract leaf. ``shardings``, if given, is a state-shaped tree of ``jax.sharding.Sharding``
+    (e.g. from ``nnx.get_named_sharding``) placing each parameter.
+    """
+    graphdef, abstract_state = nnx.split(abstract_model)
+    params = {hf_name(path): (path, var) for path, var in nnx.to_flat_state(abstract_state)}
+    if isinstance(tensors, Mapping):
+        check_tensor_names(params, tensors.keys(), tied_embeddings=tied_embeddings)
+        pairs = ((name, tensors[name]) for name in params)
+    else:
+        pairs = iter(tensors)
+    flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+
+    loaded = {}
+    bar = tqdm(total=len(params), desc="loading weights", disable=not progress)
+    for name, raw in pairs:
+        if name not in params:
+            if _ignorable(name, tied_embeddings):
+                continue
+            raise ValueError(f"checkpoint does not match the model config: unexpected tensor {name!r}")
+        if name in loaded:
+            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+        path, var = params[name]
+        abstract = var.get_value()  # ShapeDtypeStruct
+        want = hf_shape(path, abstract.shape)
+        if tuple(raw.shape) != want:
+            raise ValueError(f"tensor {name!r} has shape {tuple(raw.shape)}, expected {want} from the model config")
+        sharding = flat_shardings.get(path)
+        if isinstance(sharding, nnx.Variable):
+            sharding = sharding.get_value()
+        value = _to_param(np.asarray(raw), transpose=str(path[-1]) == "kernel", dtype=abstract.dtype, sharding=sharding)
+        loaded[name] = (path, var.replace(value))
+        del raw
+        bar.update()
+    bar.close()
+    check_tensor_names(params, loaded, tied_embeddings=tied_embeddings)  # anything still missing
+    return nnx.merge(graphdef, nnx.from_flat_state([loaded[name] for name in params]))
+
+
+def load_from_hf_tensors(
+    cfg: TextModelConfig,
+    tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+    *,
+    dtype,
+    attention_fn: AttentionFn,
+    shardings_fn: Callable[[nnx.Module], Any] | None = None,
+    progress: bool = False,
+) -> nnx.Module:
+    """Build ``cfg``'s model with weights from HF-named tensors (a mapping or a stream of pairs).
+
+    ``shardings_fn(abstract_model)``, if given, returns the state-shaped shardings tree for
+    ``load_weights``.
+    """
+    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn)
+    shardings = shardings_fn(abstract) if shardings_fn is not None else None
+    return load_weights(
+        abstract, tensors, tied_embeddings=cfg.tie_word_embeddings, shardings=shardings, progress=progress
+    )
+
+
+def _to_param(raw: np.ndarray, *, transpose: bool, dtype, sharding) -> jax.Array:
+    # Transpose and cast on the device (fast there); the host copy is dropped right after.
+    return _converter(transpose, jnp.dtype(dtype), sharding)(raw)
+
+
+@functools.lru_cache(maxsize=None)
+def _converter(transpose: bool, dtype, sharding) -> Callable[[np.ndarray], jax.Array]:
+    def convert(x):  # [out, in] -> [in, out] when transposing
+        return (x.T if transpose else x).astype(dtype)
+
+    return jax.jit(convert, out_shardings=sharding)
+
+
+def _clip(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}{f', ... ({len(names) - limit} more)' if len(names) > limit else ''}]"
