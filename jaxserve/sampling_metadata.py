@@ -1,0 +1,138 @@
+"""SamplingMetadata: each row's sampling settings as arrays, padded to the runner's S bucket.
+
+Built on the host with numpy (``from_seqs``), passed into the jitted sampler as a pytree. The four
+flags are static (part of the jit cache key, not traced), so a batch that uses no penalties, filters
+or logprobs compiles to a sampler that never computes them. The runner compiles the common flag
+combinations at start-up (``warmup_variants``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from jaxserve.scheduler_output import ScheduledSeq
+
+
+def _static(default: bool = False):
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling settings for one step. Arrays are numpy on the host and jax inside jit.
+
+    Padding rows (and rows that sample nothing this step) are greedy with every feature off, so
+    they cost nothing and their (ignored) outputs are well defined.
+    """
+
+    temperature: jax.Array  # [S] f32: 0 = greedy
+    top_k: jax.Array  # [S] i32: 0 = off
+    top_p: jax.Array  # [S] f32: 1 = off
+    min_p: jax.Array  # [S] f32: 0 = off
+    presence_penalty: jax.Array  # [S] f32: subtracted once from each token generated before
+    frequency_penalty: jax.Array  # [S] f32: subtracted per occurrence in the generated tokens
+    repetition_penalty: jax.Array  # [S] f32: divides positive / multiplies negative logits of seen tokens
+    seeds: jax.Array  # [S] uint32: the request's seed
+    steps: jax.Array  # [S] i32: tokens the request has generated so far, folded into the row's key
+    history: jax.Array  # [S, L] i32: prompt then generated tokens, -1 padded; L = 0 without penalties
+    prompt_lens: jax.Array  # [S] i32: how many of ``history``'s leading tokens are the prompt
+    all_greedy: bool = _static(True)  # every row takes the argmax: no random draws at all
+    needs_penalties: bool = _static()  # some row has a presence / frequency / repetition penalty
+    needs_filters: bool = _static()  # some sampled row uses top-k / top-p / min-p
+    needs_logprobs: bool = _static()  # some row asked for logprobs
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def from_seqs(cls, seqs: Sequence[ScheduledSeq], num_rows: int, history_len: int = 0) -> "SamplingMetadata":
+        """Rows follow ``seqs``, padded to ``num_rows``.
+
+        ``history_len`` (a bucket >= the longest ``seq.history``) sizes the penalty history; it is
+        only read when some row uses penalties, and 0 then means "exactly the longest history".
+        """
+        if num_rows < len(seqs):
+            raise ValueError(f"num_rows={num_rows} is smaller than the number of sequences ({len(seqs)})")
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        min_p = np.zeros(num_rows, np.float32)
+        presence = np.zeros(num_rows, np.float32)
+        frequency = np.zeros(num_rows, np.float32)
+        repetition = np.ones(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        steps = np.zeros(num_rows, np.int32)
+        prompt_lens = np.zeros(num_rows, np.int32)
+        all_greedy, needs_penalties, needs_filters, needs_logprobs = True, False, False, False
+        penalty_rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            if not seq.sample:
+                continue  # a prefill chunk that samples nothing: keep the free greedy defaults
+            sp = seq.sampling_params
+            temperature[i] = sp.temperature
+            if not sp.greedy:  # a greedy row's filters change nothing; left on they could force a full sort
+                top_k[i], top_p[i], min_p[i] = sp.top_k, sp.top_p, sp.min_p
+            presence[i] = sp.presence_penalty
+            frequency[i] = sp.frequency_penalty
+            repetition[i] = sp.repetition_penalty
+            seeds[i] = seq.seed & 0xFFFFFFFF
+            steps[i] = seq.num_output_tokens
+            prompt_lens[i] = seq.num_prompt_tokens
+            all_greedy &= sp.greedy
+            needs_filters |= sp.uses_filters
+            needs_logprobs |= sp.logprobs is not None
+            if sp.uses_penalties:
+                needs_penalties = True
+                penalty_rows.append(i)
+        history = _history(seqs, penalty_rows, num_rows, history_len) if needs_penalties else None
+        return cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            seeds=seeds,
+            steps=steps,
+            history=np.full((num_rows, 0), -1, np.int32) if history is None else history,
+            prompt_lens=prompt_lens,
+            all_greedy=all_greedy,
+            needs_penalties=needs_penalties,
+            needs_filters=needs_filters and not all_greedy,
+            needs_logprobs=needs_logprobs,
+        )
+
+    @classmethod
+    def warmup_variants(cls, num_rows: int) -> Iterator["SamplingMetadata"]:
+        """One dummy batch per flag combination worth compiling at start-up.
+
+        Penalties are left out: their shape also depends on the history bucket, so those variants
+        compile on first use (a rarely used feature pays once, the common ones never).
+        """
+        base = cls.from_seqs([], num_rows)
+        for all_greedy, needs_filters in ((True, False), (False, False), (False, True)):
+            for needs_logprobs in (False, True):
+                yield dataclasses.replace(
+                    base, all_greedy=all_greedy, needs_filters=needs_filters, needs_logprobs=needs_logprobs
+                )
+
+
+def _history(seqs: Sequence[ScheduledSeq], rows: list[int], num_rows: int, history_len: int) -> np.ndarray:
+    """[S, L] i32 token history (prompt first), -1 padded; only rows with penalties are filled."""
+    longest = max(len(seqs[i].history) for i in rows)
+    if history_len == 0:
+        history_len = longest
+    if history_len < longest:
+        raise ValueError(f"history_len={history_len} is shorter than the longest penalty history ({longest} tokens)")
+    history = np.full((num_rows, history_len), -1, np.int32)
+    for i in rows:
+        h = seqs[i].history
+        history[i, : len(h)] = h
+    return history
