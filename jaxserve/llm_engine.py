@@ -14,6 +14,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.output_processor import OutputProcessor, RequestGroup, SampleState
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_metadata import MAX_BANNED
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
@@ -91,6 +92,11 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.min_tokens and len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED:
+            raise ValueError(
+                f"min_tokens={params.min_tokens} with {len(params.stop_token_ids)} stop_token_ids: at most "
+                f"{MAX_BANNED - len(self.eos_token_ids)} stop_token_ids can be held back until min_tokens"
+            )
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.args.max_logprobs}")
 

@@ -60,6 +60,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Next token per row from ``logits`` [S, V]; pure and jittable (``md``'s flags are static)."""
     raw = logits.astype(jnp.float32)  # [S, V]
     logits = apply_penalties(raw, md) if md.needs_penalties else raw  # [S, V]
+    logits = _apply_bans(logits, md.banned)  # [S, V]
     token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
     if not md.all_greedy:
         drawn = _draw(logits, md)  # [S]
@@ -67,6 +68,13 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     if not md.needs_logprobs:
         return SamplerOutput(token_ids=token_ids)
     return _with_logprobs(raw, token_ids)
+
+
+def _apply_bans(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    """-inf at each row's banned ids ([S, MAX_BANNED], -1 = none: sent out of range and dropped)."""
+    num_rows, vocab = logits.shape
+    ids = jnp.where(banned >= 0, banned, vocab)  # [S, M]
+    return logits.at[jnp.arange(num_rows)[:, None], ids].set(-jnp.inf, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:

@@ -17,6 +17,10 @@ import numpy as np
 from jaxserve.scheduler_output import ScheduledSeq
 
 
+# Most tokens a row can ban at once: EOS ids plus stop_token_ids while min_tokens is not reached.
+MAX_BANNED = 16
+
+
 def _static(default: bool = False):
     return dataclasses.field(default=default, metadata=dict(static=True))
 
@@ -41,6 +45,7 @@ class SamplingMetadata:
     steps: jax.Array  # [S] i32: tokens the request has generated so far, folded into the row's key
     history: jax.Array  # [S, L] i32: prompt then generated tokens, -1 padded; L = 0 without penalties
     prompt_lens: jax.Array  # [S] i32: how many of ``history``'s leading tokens are the prompt
+    banned: jax.Array  # [S, MAX_BANNED] i32: tokens that may not be sampled (min_tokens), -1 padded
     all_greedy: bool = _static(True)  # every row takes the argmax: no random draws at all
     needs_penalties: bool = _static()  # some row has a presence / frequency / repetition penalty
     needs_filters: bool = _static()  # some sampled row uses top-k / top-p / min-p
@@ -69,6 +74,7 @@ class SamplingMetadata:
         seeds = np.zeros(num_rows, np.uint32)
         steps = np.zeros(num_rows, np.int32)
         prompt_lens = np.zeros(num_rows, np.int32)
+        banned = np.full((num_rows, MAX_BANNED), -1, np.int32)
         all_greedy, needs_penalties, needs_filters, needs_logprobs = True, False, False, False
         penalty_rows: list[int] = []
         for i, seq in enumerate(seqs):
@@ -84,6 +90,9 @@ class SamplingMetadata:
             seeds[i] = seq.seed & 0xFFFFFFFF
             steps[i] = seq.num_output_tokens
             prompt_lens[i] = seq.num_prompt_tokens
+            if seq.num_output_tokens < sp.min_tokens:  # vLLM: stop tokens cannot be sampled before min_tokens
+                ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(seq.eos_token_ids))
+                banned[i, : len(ban)] = ban[:MAX_BANNED]
             all_greedy &= sp.greedy
             needs_filters |= sp.uses_filters
             needs_logprobs |= sp.logprobs is not None
@@ -103,6 +112,7 @@ class SamplingMetadata:
             steps=steps,
             history=np.full((num_rows, 0), -1, np.int32) if history is None else history,
             prompt_lens=prompt_lens,
+            banned=banned,
             all_greedy=all_greedy,
             needs_penalties=needs_penalties,
             needs_filters=needs_filters and not all_greedy,

@@ -240,6 +240,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             history=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
+            eos_token_ids=request.eos_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -21,6 +21,7 @@ class ScheduledSeq:
     num_output_tokens: int  # tokens generated so far (the sampler folds it into the key)
     history: list[int]  # prompt + output tokens (read only; used by penalties), prompt first
     num_prompt_tokens: int
+    eos_token_ids: tuple[int, ...] = ()  # banned (with stop_token_ids) until min_tokens are generated
 
 
 @dataclasses.dataclass

@@ -132,3 +132,14 @@ def test_steady_state_compiles_nothing_new(llm):
               [(0, 1, 0, 5), (1.0, 0.9, 0, 9), (0.8, 1, 20, 3), (0, 1, 0, 30), (1.0, 1, 0, 12), (0.5, 0.5, 5, 7)]]
     llm.generate(prompts, params, use_tqdm=False)
     assert (runner._step._cache_size(), runner._sample._cache_size()) == before
+
+
+def test_min_tokens_holds_back_stop_tokens(llm):
+    """As vLLM: before min_tokens, stop tokens (and EOS) cannot be sampled at all."""
+    prompt = {"prompt_token_ids": _ids(6, seed=5)}
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    first = free.outputs[0].token_ids[0]
+    held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, min_tokens=3, stop_token_ids=[first]), use_tqdm=False)[0]
+    toks = held.outputs[0].token_ids
+    assert first not in toks[:3]
+    assert len(toks) >= 3
