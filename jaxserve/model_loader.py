@@ -59,21 +59,22 @@ def load_model(path: str, fmt: str, *, dtype, attention_fn, seed: int = 0):
     if fmt == "dummy":
         from jaxserve.models.loader.dummy import load_dummy_model
 
-        cfg = TextModelConfig.from_hf_config(read_hf_config(path))
+        cfg = read_text_config(path)
         return load_dummy_model(cfg, dtype=dtype, attention_fn=attention_fn, seed=seed), cfg
     raise ValueError(f"unknown model format {fmt!r}")
 
 
-def read_hf_config(path: str) -> dict:
-    """The config dict of an HF directory or a GGUF file."""
+def read_text_config(path: str):
+    """The TextModelConfig of an HF directory (generation_config's stop ids merged) or a GGUF file."""
+    from jaxserve.models.config import TextModelConfig
+
     if path.endswith(".gguf"):
         from jaxserve.models.loader.gguf import read_gguf
 
-        return read_gguf(path).hf_config
-    import json
+        return TextModelConfig.from_hf_config(read_gguf(path).hf_config)
+    from jaxserve.models.loader.hf import read_hf_config
 
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    return read_hf_config(path)
 
 
 def load_tokenizer(path: str, fmt: str, tokenizer: Optional[str] = None):

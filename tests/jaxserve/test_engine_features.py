@@ -143,3 +143,10 @@ def test_min_tokens_holds_back_stop_tokens(llm):
     toks = held.outputs[0].token_ids
     assert first not in toks[:3]
     assert len(toks) >= 3
+
+
+def test_dummy_weights_engine_runs():
+    """load_format='dummy': random weights from the config alone (benchmarks), same engine path."""
+    llm = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(load_format="dummy"))
+    out = llm.generate([{"prompt_token_ids": _ids(7)}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
