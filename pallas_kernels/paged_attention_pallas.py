@@ -1,0 +1,143 @@
+"""Pallas ragged paged attention: the engine's entry point for ``attention_backend="pallas"``.
+
+One call serves a ragged batch of any mix. On GPU two Pallas (Triton-lowered) kernels split the work by
+query length, both sized from static shapes alone:
+- sequences with at most ``q_per_seq`` new tokens (decodes) go to the split-context decode kernel
+  (``triton_decode``), which reads each KV page once per KV head;
+- longer ones (prefill chunks) go to the causal flash kernel (``triton_prefill``).
+Each kernel's programs for the other kind of sequence exit at once, so a pure decode or pure prefill
+step pays only an empty launch for the other. On TPU the same interface calls jax's
+``ragged_paged_attention`` Pallas TPU op (``tpu_ragged_adapter``).
+
+The KV write stays a separate XLA scatter (``write_kv``) ahead of the kernels: it is in place on the
+donated cache and moves T rows, tiny next to the context reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.pallas_kernels import triton_common as tc
+from jaxserve.pallas_kernels.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.reference import write_kv
+from jaxserve.pallas_kernels.triton_decode import decode_partials, merge_splits
+from jaxserve.pallas_kernels.triton_prefill import prefill_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuKernelConfig:
+    """Static tuning knobs of the GPU kernels; None picks the default from the shapes."""
+
+    decode_tile_tokens: int = 64  # KV tokens per decode loop step (capped to fit shared memory)
+    decode_splits: int | None = None  # context splits per sequence
+    decode_warps: int = 2
+    decode_stages: int = 2
+    prefill_rows: int = 128  # query rows (tokens x heads of a group) per prefill program
+    prefill_tile_tokens: int = 64
+    prefill_warps: int = 4
+    prefill_stages: int = 2
+    # Zero V past each sequence's length: "where" (after the load), "load" (masked load) or "none"
+    # (stale NaNs then propagate exactly as in the reference; finite stale values are harmless either way).
+    v_mask: str = "where"
+
+
+# Programs the decode grid aims for: a few waves over the H200's 132 SMs keeps every SM streaming.
+_TARGET_DECODE_PROGRAMS = 1024
+
+
+def _decode_splits(num_seqs: int, num_kv_heads: int, tiles_per_seq: int) -> int:
+    splits = tc.next_pow2(max(1, -(-_TARGET_DECODE_PROGRAMS // (num_seqs * num_kv_heads))))
+    return max(1, min(splits, tiles_per_seq))
+
+
+def paged_attention_pallas(
+    q: jax.Array,  # [T, H, D]
+    k_new: jax.Array,  # [T, K, D]
+    v_new: jax.Array,  # [T, K, D]
+    k_pages: jax.Array,  # [N, P, K, D]
+    v_pages: jax.Array,  # [N, P, K, D]
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    platform: str = "gpu",
+    interpret: bool = False,
+    config: GpuKernelConfig | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages)."""
+    if platform == "tpu":
+        from jaxserve.pallas_kernels.tpu_ragged_adapter import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu(
+            q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, interpret=interpret
+        )
+    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
+    out = ragged_attention_gpu(
+        q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, interpret=interpret, config=config
+    )
+    return out, k_pages, v_pages
+
+
+def ragged_attention_gpu(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [N, P, K, D] (already holding this step's keys)
+    v_pages: jax.Array,  # [N, P, K, D]
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    config: GpuKernelConfig | None = None,
+) -> jax.Array:  # [T, H, D]
+    """Attention only (no KV write), same semantics as ``ragged_paged_attention_reference``."""
+    cfg = config or GpuKernelConfig()
+    if interpret and cfg.v_mask == "load":
+        # Pallas's interpreter cannot discharge a masked gather; "where" computes the same values.
+        cfg = dataclasses.replace(cfg, v_mask="where")
+    t, h, d = q.shape
+    _, page_size, kh, _ = k_pages.shape
+    s_count, width = md.block_tables.shape
+    g = h // kh
+    gp = tc.next_pow2(g)  # Triton tiles need power-of-two sizes
+    q_per_seq = max(1, 16 // gp)  # decode rows = q_per_seq * gp >= 16, the smallest MMA tile
+    block_q = max(1, cfg.prefill_rows // gp)
+    pad = max(q_per_seq, block_q)
+
+    # [T + pad, K, Gp, D]: the query heads of a KV head side by side; padding keeps every tile's loads in bounds.
+    q_p = jnp.pad(q.reshape(t, kh, g, d), ((0, pad), (0, 0), (0, gp - g), (0, 0)))
+    qsl = md.query_start_loc
+    q_lens = qsl[1:] - qsl[:-1]  # [S]
+    is_decode_seq = q_lens <= q_per_seq  # [S] (empty sequences fall here and do nothing)
+
+    item = q.dtype.itemsize
+    dec_tile = tc.pick_tile_tokens(cfg.decode_tile_tokens, d, item, cfg.decode_stages)
+    pre_tile = tc.pick_tile_tokens(cfg.prefill_tile_tokens, d, item, cfg.prefill_stages)
+    splits = cfg.decode_splits or _decode_splits(s_count, kh, -(-width * page_size // dec_tile))
+    acc, m, l = decode_partials(
+        q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables,
+        scale=scale, q_per_seq=q_per_seq, tile_tokens=dec_tile, num_splits=splits,
+        sliding_window=sliding_window, v_mask=cfg.v_mask, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+        interpret=interpret,
+    )  # fmt: skip
+    dec = merge_splits(acc, m, l).reshape(s_count, kh, q_per_seq, gp, d)  # [S, K, QA, Gp, D]
+
+    pre = prefill_attention(
+        q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables, ~is_decode_seq,
+        num_tokens=t, scale=scale, block_q=block_q,
+        tile_tokens=pre_tile, sliding_window=sliding_window, v_mask=cfg.v_mask,
+        num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages, interpret=interpret,
+    )  # fmt: skip
+
+    # Route each token to the kernel that owned its sequence; tokens outside every query range
+    # (padding) get zeros instead of whatever the unwritten buffers held.
+    seq = md.token_seq_ids  # [T]
+    r = jnp.arange(t, dtype=jnp.int32) - qsl[seq]  # [T] index of the token within its sequence's query
+    in_range = (r >= 0) & (r < q_lens[seq])
+    dec_tok = dec[seq, :, jnp.clip(r, 0, q_per_seq - 1), :g, :]  # [T, K, G, D]
+    use_dec = (in_range & is_decode_seq[seq])[:, None, None, None]
+    use_pre = (in_range & ~is_decode_seq[seq])[:, None, None, None]
+    out = jnp.where(use_dec, dec_tok.astype(q.dtype), jnp.where(use_pre, pre[:t, :, :g, :], 0))
+    return out.reshape(t, h, d)
