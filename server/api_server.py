@@ -1,0 +1,152 @@
+"""The Starlette app (routes, auth, errors, lifespan) and the uvicorn server that runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import signal
+import threading
+from typing import Optional
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.config import EngineArgs
+
+from jaxserve.server.errors import EXCEPTION_HANDLERS, error_response
+from jaxserve.server.metrics import ServerMetrics, metrics_endpoint
+from jaxserve.server.openapi import openapi_endpoint
+from jaxserve.server.routes_chat import create_chat_completion
+from jaxserve.server.routes_completions import create_completion
+from jaxserve.server.routes_misc import detokenize, health, list_models, tokenize, version
+from jaxserve.server.serving import ServerState
+
+logger = logging.getLogger("jaxserve.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """The HTTP side's settings (the engine's are EngineArgs)."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: Optional[str] = None  # required as "Authorization: Bearer KEY" on /v1 routes
+    max_waiting_requests: Optional[int] = None  # beyond it: 503 at once
+    graceful_shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    log_level: str = "info"
+    access_log: bool = True
+
+
+class APIKeyMiddleware:
+    """Every /v1 route needs ``Authorization: Bearer KEY``; others (health, metrics) stay open, as vLLM's."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time: no key guessing by timing
+                response = error_response(
+                    401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None) -> Starlette:
+    """The ASGI app over an engine. The lifespan starts the engine thread and stops it on shutdown."""
+    state = ServerState.for_engine(engine, api_key=api_key)
+    metrics = ServerMetrics(state.model_name)
+    metrics.attach(engine)
+    engine.observer = metrics
+
+    routes = [
+        Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"], include_in_schema=False),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine.start()
+        try:
+            yield
+        finally:
+            # Requests still running here outlived the grace period: abort them and stop the thread.
+            await asyncio.to_thread(engine.shutdown)
+
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.state.jaxserve = state
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a SIGTERM/SIGINT shutdown that went well exits 0.
+
+    uvicorn re-raises the signal after its graceful shutdown, so the process would end "killed by
+    SIGTERM"; a supervisor should instead see a clean exit.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(sig, frame):
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for requests
+            else:
+                logger.info("received %s: finishing in-flight requests, accepting no new ones", signal.Signals(sig).name)
+                self.should_exit = True
+
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, on_signal) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def uvicorn_config(app: Starlette, options: ServerOptions) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        access_log=options.access_log,
+        timeout_graceful_shutdown=max(1, int(round(options.graceful_shutdown_timeout))),
+        timeout_keep_alive=5,
+    )
+
+
+def serve(engine_args: EngineArgs, options: ServerOptions) -> None:
+    """Build the engine (loads and compiles: minutes for big models), then serve until a signal."""
+    engine = AsyncLLMEngine.from_engine_args(engine_args, max_waiting_requests=options.max_waiting_requests)
+    info = engine.engine.info()
+    logger.info("engine ready: %s", info)
+    app = build_app(engine, api_key=options.api_key)
+    server = _Server(uvicorn_config(app, options))
+    shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host
+    logger.info("serving %s at http://%s:%d/v1", info["model"], shown_host, options.port)
+    server.run()

@@ -1,0 +1,70 @@
+"""`jaxserve serve [MODEL] [engine flags] [server flags]`: the OpenAI-compatible server's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+_API_KEY_ENV = "JAXSERVE_API_KEY"
+
+
+def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
+    """Register `serve` on the `jaxserve` command's subparsers."""
+    p = subparsers.add_parser(
+        "serve",
+        help="start the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...). "
+        "Without MODEL it serves the embedded default (SmolLM2-135M-Instruct).",
+    )
+    add_engine_args(p, positional_model=True)
+    g = p.add_argument_group("server options")
+    g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    g.add_argument(
+        "--api-key", "--api_key", dest="api_key", default=os.environ.get(_API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${_API_KEY_ENV}, or no key)",
+    )
+    g.add_argument(
+        "--max-waiting-requests", "--max_waiting_requests", dest="max_waiting_requests", type=int, default=None,
+        help="answer 503 at once when this many requests are already waiting (default: no limit)",
+    )
+    g.add_argument(
+        "--graceful-shutdown-timeout", "--graceful_shutdown_timeout", dest="graceful_shutdown_timeout",
+        type=float, default=30.0,
+        help="after SIGTERM, seconds in-flight requests get to finish before they are aborted (default: 30)",
+    )
+    g.add_argument(
+        "--uvicorn-log-level", "--uvicorn_log_level", dest="uvicorn_log_level", default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level",
+    )
+    g.add_argument(
+        "--disable-access-log", "--disable_access_log", dest="disable_access_log", action="store_true",
+        help="don't log every HTTP request",
+    )
+    p.set_defaults(func=_cmd_serve)
+    return p
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from jaxserve.cli import engine_args_from
+    from jaxserve.server.api_server import ServerOptions, serve
+
+    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests={ns.max_waiting_requests} is invalid: must be >= 1 (or unset)")
+    if not 0 < ns.port < 65536:
+        raise ValueError(f"--port={ns.port} is invalid: must be in 1..65535")
+    if ns.graceful_shutdown_timeout < 0:
+        raise ValueError(f"--graceful-shutdown-timeout={ns.graceful_shutdown_timeout} is invalid: must be >= 0")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    options = ServerOptions(
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key or None,
+        max_waiting_requests=ns.max_waiting_requests,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
+        log_level=ns.uvicorn_log_level,
+        access_log=not ns.disable_access_log,
+    )
+    serve(engine_args_from(ns), options)
+    return 0

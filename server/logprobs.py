@@ -1,0 +1,61 @@
+"""The engine's per-token logprob dicts, in OpenAI's two shapes (legacy completions and chat)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jaxserve.outputs import LogprobsDict
+
+from jaxserve.server.protocol_responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+
+def _token_str(token_id: int, decoded: Optional[str]) -> str:
+    # Without a tokenizer there is no text; vLLM's convention names the id instead.
+    return decoded if decoded is not None else f"token_id:{token_id}"
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[LogprobsDict], text_offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """Logprobs of ``token_ids`` (one dict each); offsets start at ``text_offset``. Returns (logprobs, next offset).
+
+    ``top_logprobs`` holds the sampled token and the requested alternatives, as vLLM returns them.
+    """
+    out = CompletionLogprobs()
+    offset = text_offset
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry.get(token_id)
+        text = _token_str(token_id, sampled.decoded_token if sampled else None)
+        out.tokens.append(text)
+        out.token_logprobs.append(sampled.logprob if sampled else None)
+        out.top_logprobs.append({_token_str(t, lp.decoded_token): lp.logprob for t, lp in entry.items()})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def chat_logprobs(token_ids: list[int], entries: list[LogprobsDict], top_k: int) -> ChatLogprobs:
+    """Chat logprobs: each token with its logprob and its ``top_k`` most likely alternatives by rank."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry.get(token_id)
+        text = _token_str(token_id, sampled.decoded_token if sampled else None)
+        ranked = sorted(
+            ((lp.rank, t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_k),
+            key=lambda r: r[0],
+        )
+        top = [_top(t, lp.decoded_token, lp.logprob) for _, t, lp in ranked]
+        content.append(
+            TokenLogprob(
+                token=text,
+                logprob=sampled.logprob if sampled else float("-inf"),
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=top,
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def _top(token_id: int, decoded: Optional[str], logprob: float) -> TopLogprob:
+    text = _token_str(token_id, decoded)
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))

@@ -1,0 +1,200 @@
+"""Request bodies of the OpenAI API (and vLLM's extras), as pydantic models, and their SamplingParams.
+
+Unknown fields are ignored (as vLLM does), so clients that send newer OpenAI fields keep working;
+known fields are checked here and again by SamplingParams, whose ValueError names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_MAX_STOP = 16  # OpenAI allows 4; vLLM allows any. Bound it so one request cannot slow every step.
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # vLLM: usage in every chunk
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat, with OpenAI's defaults."""
+
+    model: Optional[str] = None  # None: the served model
+    n: int = Field(1, ge=1, le=128)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)  # None: 1.0
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    user: Optional[str] = None
+    # vLLM's extras.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None:
+            if len(stops) > _MAX_STOP:
+                raise ValueError(f"at most {_MAX_STOP} stop strings are allowed, got {len(stops)}")
+            if any(not s for s in stops):
+                raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v):
+        if v is not None and v < -1:
+            raise ValueError("top_k must be >= 1, or 0 / -1 to disable")
+        return v
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """SamplingParams for this request; ValueError (naming the field) if they are inconsistent."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# A prompt: text, a list of texts, token ids, or a list of token-id lists.
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: PromptInput
+    max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default; None: up to the context
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be an empty list")
+            if all(isinstance(p, list) for p in v) and any(not p for p in v):
+                raise ValueError("every token-id prompt must have at least one token")
+        elif v == "":
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts as a list: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The dict a chat template expects; text parts are joined, "developer" is OpenAI's new "system"."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        msg: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.name:
+            msg["name"] = self.name
+        return msg
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    # vLLM's extras.
+    add_generation_prompt: bool = True
+    chat_template: Optional[str] = None  # a Jinja template to use instead of the model's
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template: Optional[str] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize."""
+
+    model: Optional[str] = None
+    tokens: list[int]

@@ -1,0 +1,134 @@
+"""POST /v1/chat/completions: messages through the model's chat template, plain JSON or SSE."""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.llm import render_chat
+
+from jaxserve.server.deltas import DeltaTracker, final_outputs, stream_outputs
+from jaxserve.server.errors import bad_request, error_body, from_value_error
+from jaxserve.server.logprobs import chat_logprobs
+from jaxserve.server.protocol import ChatCompletionRequest
+from jaxserve.server.protocol_responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    now_s,
+    random_id,
+)
+from jaxserve.server.serving import ServerState, abort_unfinished, engine_error, get_state, parse_body, usage
+from jaxserve.server.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
+
+logger = logging.getLogger("jaxserve.server")
+
+
+def _check_unsupported(body: ChatCompletionRequest) -> None:
+    if body.tools:
+        raise bad_request("tools (function calling) are not supported", param="tools")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(
+            f"response_format type {body.response_format.type!r} is not supported; only 'text'", param="response_format"
+        )
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+def render_messages(state: ServerState, body) -> list[int]:
+    """Token ids of the conversation under the chat template; 400 when the template rejects it."""
+    tokenizer = state.need_tokenizer("chat")
+    conversation = [m.as_template_dict() for m in body.messages]
+    try:
+        return render_chat(tokenizer, conversation, body.chat_template, body.add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from None
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = get_state(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    model = state.resolve_model(body.model)
+    _check_unsupported(body)
+    prompt = render_messages(state, body)
+    max_tokens = body.requested_max_tokens
+    tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    state.check_fits(len(prompt), max_tokens, "messages", tokens_param)
+    top_k = body.top_logprobs or 0
+    try:
+        params = body.sampling_params(max_tokens, top_k if body.logprobs else None)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    request_id = random_id("chatcmpl")
+    streams = await state.submit(request_id, [prompt], params)
+    if body.stream:
+        return SSEResponse(_stream(state, body, model, request_id, streams, len(prompt), top_k))
+    try:
+        finals = await cancel_on_disconnect(request, final_outputs(streams))
+    except Exception as e:
+        raise engine_error(e) from e
+    finally:
+        abort_unfinished(state.engine, streams)
+    tracker = DeltaTracker(body.n, [len(prompt)])
+    choices = []
+    for d in tracker.update(0, finals[0]):
+        lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
+        choices.append(
+            ChatChoice(
+                index=d.index, message=ChatResponseMessage(content=d.text), logprobs=lp,
+                finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+            )
+        )
+    choices.sort(key=lambda c: c.index)
+    resp = ChatCompletionResponse(
+        id=request_id, created=now_s(), model=model, choices=choices,
+        usage=usage(tracker.prompt_lens, tracker.completion_tokens),
+    )
+    return JSONResponse(resp.model_dump())
+
+
+async def _stream(
+    state: ServerState, body: ChatCompletionRequest, model: str, request_id: str, streams, prompt_len: int, top_k: int
+) -> AsyncIterator[bytes]:
+    created = now_s()
+    tracker = DeltaTracker(body.n, [prompt_len])
+
+    def chunk(choices, with_usage=None) -> bytes:
+        return sse_event(
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=with_usage)
+        )
+
+    try:
+        # OpenAI opens every choice with the role and empty content, before any token is ready.
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
+        async for _, out in stream_outputs(streams):
+            choices = []
+            for d in tracker.update(0, out):
+                lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
+                choices.append(
+                    ChatChunkChoice(
+                        index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp,
+                        finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                    )
+                )
+            if choices:
+                running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
+                yield chunk(choices, running)
+        if body.include_usage:
+            yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
+        yield DONE
+    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band, as OpenAI does
+        err = engine_error(e)
+        logger.warning("chat stream %s failed: %r", request_id, e)
+        status = getattr(err, "status", 500)
+        yield sse_event(error_body(status, getattr(err, "message", str(e)), code=getattr(err, "code", None)))
+        yield DONE
+    finally:
+        abort_unfinished(state.engine, streams)

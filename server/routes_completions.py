@@ -1,0 +1,133 @@
+"""POST /v1/completions: text or token-id prompts (one or many), plain JSON or SSE."""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
+from jaxserve.server.errors import bad_request, error_body, from_value_error
+from jaxserve.server.logprobs import completion_logprobs
+from jaxserve.server.protocol import CompletionRequest
+from jaxserve.server.protocol_responses import (
+    CompletionChoice,
+    CompletionResponse,
+    now_s,
+    random_id,
+)
+from jaxserve.server.serving import ServerState, abort_unfinished, engine_error, get_state, parse_body, usage
+from jaxserve.server.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
+
+logger = logging.getLogger("jaxserve.server")
+
+
+def _check_unsupported(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(f"best_of={body.best_of} is not supported; only best_of == n ({body.n})", param="best_of")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
+
+
+async def create_completion(request: Request) -> Response:
+    state = get_state(request)
+    body = await parse_body(request, CompletionRequest)
+    model = state.resolve_model(body.model)
+    _check_unsupported(body)
+    prompts = [state.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    for ids in prompts:
+        state.check_fits(len(ids), body.max_tokens, "prompt", "max_tokens")
+    try:
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    texts = [p if isinstance(p, str) else None for p in body.prompts()]
+    echo = [""] * len(prompts)
+    if body.echo:
+        tokenizer = state.need_tokenizer("echo of a token-id prompt") if None in texts else None
+        echo = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
+    request_id = random_id("cmpl")
+    streams = await state.submit(request_id, prompts, params)
+    if body.stream:
+        return SSEResponse(_stream(state, body, model, request_id, streams, prompts, echo))
+    try:
+        finals = await cancel_on_disconnect(request, final_outputs(streams))
+    except Exception as e:
+        raise engine_error(e) from e
+    finally:
+        abort_unfinished(state.engine, streams)
+    tracker = DeltaTracker(body.n, [len(p) for p in prompts])
+    choices = []
+    for i, out in enumerate(finals):
+        for d in tracker.update(i, out):
+            choices.append(_choice(d, echo[i], body.logprobs, 0))
+    choices.sort(key=lambda c: c.index)
+    resp = CompletionResponse(
+        id=request_id, created=now_s(), model=model, choices=choices,
+        usage=usage(tracker.prompt_lens, tracker.completion_tokens),
+    )
+    return JSONResponse(resp.model_dump())
+
+
+def _choice(d: Delta, echo: str, logprobs: Optional[int], offset: int) -> CompletionChoice:
+    lp = None
+    if logprobs is not None and d.logprobs is not None:
+        lp, _ = completion_logprobs(d.token_ids, d.logprobs, offset + len(echo))
+    return CompletionChoice(
+        index=d.index, text=echo + d.text, logprobs=lp, finish_reason=d.finish_reason, stop_reason=d.stop_reason
+    )
+
+
+async def _stream(
+    state: ServerState,
+    body: CompletionRequest,
+    model: str,
+    request_id: str,
+    streams,
+    prompts: list[list[int]],
+    echo: list[str],
+) -> AsyncIterator[bytes]:
+    created = now_s()
+    tracker = DeltaTracker(body.n, [len(p) for p in prompts])
+    offsets: dict[int, int] = {}  # choice index -> text offset of its next token (completions logprobs)
+
+    def chunk(choices, with_usage) -> bytes:
+        resp = CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=with_usage)
+        return sse_event(resp)
+
+    try:
+        async for i, out in stream_outputs(streams):
+            choices = []
+            for d in tracker.update(i, out):
+                prefix = echo[i] if d.first else ""
+                lp = None
+                if body.logprobs is not None and d.logprobs is not None:
+                    lp, offsets[d.index] = completion_logprobs(
+                        d.token_ids, d.logprobs, offsets.get(d.index, len(echo[i]))
+                    )
+                choices.append(
+                    CompletionChoice(
+                        index=d.index, text=prefix + d.text, logprobs=lp,
+                        finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                    )
+                )
+            if choices:
+                running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
+                yield chunk(choices, running)
+        if body.include_usage:
+            yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
+        yield DONE
+    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band, as OpenAI does
+        err = engine_error(e)
+        logger.warning("completion stream %s failed: %r", request_id, e)
+        status = getattr(err, "status", 500)
+        yield sse_event(error_body(status, getattr(err, "message", str(e)), code=getattr(err, "code", None)))
+        yield DONE
+    finally:
+        abort_unfinished(state.engine, streams)

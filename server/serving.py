@@ -1,0 +1,150 @@
+"""What the completion and chat routes share: the server's state, model names, prompt checks, submission."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+from typing import Any, Optional, TypeVar
+
+import pydantic
+from starlette.requests import Request
+
+from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from jaxserve.sampling_params import SamplingParams
+
+from jaxserve.server.errors import APIError, bad_request, from_validation_error, from_value_error
+from jaxserve.server.protocol_responses import UsageInfo, now_s
+
+logger = logging.getLogger("jaxserve.server")
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+@dataclasses.dataclass
+class ServerState:
+    """Everything a route needs; one per app, stored on ``app.state.jaxserve``."""
+
+    engine: AsyncLLMEngine
+    # The server's own copy of the tokenizer: the engine thread detokenizes with the engine's copy at
+    # the same time, and a Hugging Face fast tokenizer is not safe to share across threads.
+    tokenizer: Any
+    served_model_names: list[str]
+    model_root: str
+    max_model_len: int
+    api_key: Optional[str] = None
+    log_requests: bool = True
+    created: int = dataclasses.field(default_factory=now_s)
+
+    @classmethod
+    def for_engine(cls, engine: AsyncLLMEngine, api_key: Optional[str] = None, **kw) -> "ServerState":
+        core = engine.engine
+        names = [core.model_config.served_model_name]
+        tokenizer = copy.deepcopy(core.tokenizer) if core.tokenizer is not None else None
+        return cls(
+            engine=engine,
+            tokenizer=tokenizer,
+            served_model_names=names,
+            model_root=core.model_config.model,
+            max_model_len=core.model_config.max_model_len,
+            api_key=api_key,
+            **kw,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def resolve_model(self, name: Optional[str]) -> str:
+        """The served name for ``name`` (None: the default); 404 for a model we don't serve."""
+        if name is None or name in self.served_model_names:
+            return self.model_name
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist. This server serves: {', '.join(self.served_model_names)}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise bad_request(f"{what} needs a tokenizer, but the server runs with --skip-tokenizer-init")
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.need_tokenizer("a text prompt").encode(text, add_special_tokens=add_special_tokens))
+
+    def check_fits(self, prompt_len: int, max_tokens: Optional[int], prompt_param: str, tokens_param: str) -> None:
+        """400 with the numbers when the prompt, or prompt plus max_tokens, exceeds the context."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but the prompt is {prompt_len} tokens "
+                f"long, which leaves no room to generate. Shorten the {prompt_param} to at most {limit - 1} tokens.",
+                param=prompt_param,
+            )
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} for the "
+                f"completion). Reduce the {prompt_param} or {tokens_param} (at most {limit - prompt_len} here).",
+                param=tokens_param,
+            )
+
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        """Add one engine request per prompt; all or none (on failure the ones added are aborted)."""
+        streams: list[RequestStream] = []
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        try:
+            for rid, ids_ in zip(ids, prompts):
+                streams.append(await self.engine.add_request(rid, {"prompt_token_ids": ids_}, params))
+        except BaseException as e:
+            self.engine.abort([s.request_id for s in streams])
+            raise engine_error(e) from e
+        return streams
+
+
+def engine_error(e: BaseException) -> BaseException:
+    """The HTTP error for an engine exception (other exceptions, e.g. cancellation, pass through)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return from_value_error(e)
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), code="queue_full")
+    if isinstance(e, EngineDeadError):
+        return APIError(500, f"the engine is not running: {e}", code="engine_dead")
+    return e
+
+
+def usage(prompt_lens: list[int], completion_tokens: int) -> UsageInfo:
+    prompt = sum(prompt_lens)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+
+
+
+def abort_unfinished(engine: AsyncLLMEngine, streams: list[RequestStream]) -> None:
+    """Free the engine's work for a response that ends early (client gone, error, shutdown)."""
+    ids = [s.request_id for s in streams if not s.finished]
+    if ids:
+        engine.abort(ids)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.jaxserve
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as ``model``; 400 naming the problem for bad JSON or a bad field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise from_validation_error(e) from None

@@ -1,0 +1,210 @@
+"""The server through the official `openai` client: a real uvicorn on loopback over a tiny llama checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from tiny_models import make_tiny_checkpoint
+
+from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.config import EngineArgs
+from jaxserve.server.testing import ServerThread
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+    args = EngineArgs(
+        model=str(path), served_model_name="tiny", dtype="float32", max_model_len=128,
+        max_num_batched_tokens=64, max_num_seqs=32, block_size=8, compilation_cache_dir="",
+    )
+    engine = AsyncLLMEngine.from_engine_args(args, progress=False)
+    with ServerThread(engine) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completion_counts_usage(client):
+    resp = client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert resp.object == "text_completion"
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 6
+    assert resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 6
+    echoed = client.completions.create(model="tiny", prompt="Hello world", max_tokens=2, echo=True, temperature=0)
+    assert echoed.choices[0].text.startswith("Hello world")
+
+
+def test_completion_default_max_tokens_is_16(client):
+    resp = client.completions.create(model="tiny", prompt="The weather", extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 16
+
+
+def test_chat_with_system_user_assistant_turns(client):
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=[
+            {"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": "Hello!"},
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": [{"type": "text", "text": "How are you today?"}]},
+        ],
+        max_completion_tokens=5,
+        temperature=0,
+    )
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens <= 5
+    # The template wraps each turn; the prompt is longer than the raw words.
+    assert resp.usage.prompt_tokens > 20
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_deltas_join_to_the_plain_text(client, endpoint):
+    common = dict(model="tiny", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    if endpoint == "completions":
+        plain = client.completions.create(prompt="Once upon a time", **common).choices[0].text
+        stream = client.completions.create(
+            prompt="Once upon a time", stream=True, stream_options={"include_usage": True}, **common
+        )
+        chunks = list(stream)
+        joined = "".join(c.choices[0].text for c in chunks if c.choices)
+    else:
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        plain = client.chat.completions.create(messages=messages, **common).choices[0].message.content
+        stream = client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **common
+        )
+        chunks = list(stream)
+        joined = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+    assert joined == plain
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_n2_with_seed_is_reproducible(client):
+    kw = dict(
+        model="tiny", prompt="apple banana", n=2, seed=1234, temperature=1.0, max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.choices[0].text != first.choices[1].text  # the samples differ from each other
+    assert first.usage.completion_tokens == 24
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    clean = [i for i in range(4, len(text) - 3) if "\ufffd" not in text[i : i + 2]]
+    assert clean, f"no usable stop string in {text!r}"
+    stop = text[clean[0] : clean[0] + 2]
+    expected = text[: text.index(stop)]
+    resp = client.completions.create(stop=[stop], **kw)
+    assert resp.choices[0].text == expected
+    assert resp.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kw))
+    assert streamed == expected
+
+
+def test_completion_logprobs(client):
+    resp = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(x <= 0 for x in lp.token_logprobs)
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3
+        # Greedy: the chosen token is the most likely one.
+        assert token_lp == pytest.approx(max(top.values()))
+
+
+def test_chat_logprobs_with_top_logprobs(client):
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+
+
+def test_token_id_prompts_and_prompt_lists(client):
+    resp = client.completions.create(
+        model="tiny", prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    assert resp.usage.prompt_tokens == 5 and resp.usage.completion_tokens == 12
+    texts = client.completions.create(model="tiny", prompt=["a b", "c d"], max_tokens=2, temperature=0)
+    assert len(texts.choices) == 2
+
+
+def test_32_concurrent_streams_all_complete(server):
+    async def one(aclient, i):
+        stream = await aclient.completions.create(
+            model="tiny", prompt=f"Request number {i}", max_tokens=8 + i % 5, temperature=0.7, seed=i,
+            stream=True, extra_body={"ignore_eos": True},
+        )
+        finish, text = None, ""
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+        return finish
+
+    async def run_all():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+        finally:
+            await aclient.close()
+
+    finishes = asyncio.run(run_all())
+    assert finishes == ["length"] * 32
+
+
+def test_unknown_model_is_a_not_found_error(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from jaxserve.cli import build_parser
+
+    out = tmp_path / "result.json"
+    ns = build_parser().parse_args([
+        "bench", "serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "12",
+        "--random-output-len", "5", "--max-concurrency", "3", "--endpoint", "chat", "--result-json", str(out),
+    ])
+    assert ns.func(ns) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 30
+    assert result["ttft_ms"]["mean"] > 0 and result["itl_ms"]["median"] > 0
+    assert result["peak_concurrent_requests"] <= 3
