@@ -23,6 +23,8 @@ _HELP = {
     "attention_backend": "auto, reference (pure jnp) or pallas",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
+    "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",
+    "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
 }
 
 
@@ -105,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench import throughput
 
     throughput.add_parser(bench_sub, add_engine_args)
+    from jaxserve.bench import sweep
+
+    sweep.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve
     except ImportError:

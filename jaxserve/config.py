@@ -86,10 +86,10 @@ class EngineArgs:
                 raise bad(name, "must be a positive integer (or unset for the default)")
         if self.cpu_kv_cache_space is not None and self.cpu_kv_cache_space <= 0:
             raise bad("cpu_kv_cache_space", "must be a positive number of GiB")
-        if self.tensor_parallel_size != 1:
-            raise bad("tensor_parallel_size", "tensor parallelism is not implemented yet; use 1")
-        if self.data_parallel_size != 1:
-            raise bad("data_parallel_size", "data parallelism is not implemented yet; use 1")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise bad(name, "must be a positive integer (devices per replica / number of replicas)")
         if self.enable_lora:
             raise bad("enable_lora", "LoRA serving is not implemented yet; leave it off")
         if self.trust_remote_code:

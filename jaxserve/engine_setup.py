@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any, Optional
 
-from jaxserve.config import CacheConfig, EngineArgs, ModelConfig, RunnerConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, EngineArgs, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 
 logger = logging.getLogger("jaxserve")
 
@@ -31,6 +31,8 @@ class EngineComponents:
     eos_token_ids: tuple[int, ...]
     runner: Any
     scheduler: Any
+    parallel_config: ParallelConfig = ParallelConfig()
+    mesh: Any = None  # this engine's (1, tp) device mesh
 
 
 def enable_compilation_cache(cache_dir: Optional[str]) -> Optional[str]:
@@ -54,10 +56,13 @@ def current_platform() -> str:
     return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
-def build_engine_components(args: EngineArgs, progress: bool = True) -> EngineComponents:
+def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any = None) -> EngineComponents:
+    """One engine (one data-parallel replica) on ``mesh``: a (1, tp) mesh from jaxserve.sharding, by default
+    row 0 of the global mesh. DP engines call this once per replica with that replica's row."""
     import jax.numpy as jnp
 
-    from jaxserve.model_loader import load_model, load_tokenizer, resolve_model_path
+    from jaxserve import sharding
+    from jaxserve.model_loader import load_model, load_tokenizer, read_text_config, resolve_model_path
     from jaxserve.model_runner import ModelRunner
     from jaxserve.pallas_kernels.attention import get_attention_fn, resolve_backend
     from jaxserve.scheduler import Scheduler
@@ -69,9 +74,19 @@ def build_engine_components(args: EngineArgs, progress: bool = True) -> EngineCo
     dtype = args.dtype if args.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
     backend = resolve_backend(args.attention_backend, platform)
     attention_fn = get_attention_fn(backend, platform)
+    tp = args.tensor_parallel_size
+    if mesh is None:
+        mesh = sharding.replica_meshes(sharding.make_mesh(tp, args.data_parallel_size))[0]
+    if tp > 1:
+        sharding.check_tensor_parallel(read_text_config(path), tp)  # before any weight is read
+        if backend != "reference":  # a kernel is not split by XLA's partitioner: run it per device
+            attention_fn = sharding.shard_attention(attention_fn, mesh)
 
     t0 = time.perf_counter()
-    model, text_config = load_model(path, fmt, dtype=jnp.dtype(dtype), attention_fn=attention_fn, seed=args.seed)
+    model, text_config = load_model(
+        path, fmt, dtype=jnp.dtype(dtype), attention_fn=attention_fn, seed=args.seed,
+        shardings_fn=sharding.shardings_fn(mesh),
+    )
     load_s = time.perf_counter() - t0
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path, fmt, args.tokenizer)
 
@@ -102,7 +117,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True) -> EngineCo
         max_num_seqs, max_batched, max_model_len, args.enable_chunked_prefill, args.long_prefill_token_threshold
     )
     runner_config = RunnerConfig(args.enforce_eager, backend, args.compilation_cache_dir, platform)
-    runner = ModelRunner(model, text_config, model_config, cache_config, scheduler_config, runner_config)
+    runner = ModelRunner(model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh)
     del model
     scheduler = Scheduler(
         max_num_seqs=max_num_seqs,
@@ -116,15 +131,16 @@ def build_engine_components(args: EngineArgs, progress: bool = True) -> EngineCo
     )
     compile_s = runner.warmup(progress=progress)
     logger.info(
-        "jaxserve ready: %s (%s, %s) loaded in %.1fs, %d KV blocks, %d step shapes compiled in %.1fs",
-        served, fmt, dtype, load_s, runner.num_blocks, len(runner.token_buckets) * len(runner.width_buckets), compile_s,
+        "jaxserve ready: %s (%s, %s, tp=%d on %s) loaded in %.1fs, %d KV blocks, %d step shapes compiled in %.1fs",
+        served, fmt, dtype, tp, [d.id for d in mesh.devices.flat], load_s, runner.num_blocks,
+        len(runner.token_buckets) * len(runner.width_buckets), compile_s,
     )
     eos = set(text_config.eos_token_ids or ())
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return EngineComponents(
         args, model_config, cache_config, scheduler_config, runner_config, text_config, tokenizer,
-        tuple(sorted(eos)), runner, scheduler,
+        tuple(sorted(eos)), runner, scheduler, ParallelConfig(tp, args.data_parallel_size), mesh,
     )
 
 

@@ -28,11 +28,13 @@ def num_blocks_for(
     max_model_len: int,
     max_num_seqs: int,
     activation_reserve_bytes: int,
+    device=None,
 ) -> int:
     """How many KV blocks to allocate: fixed by the override, else from a memory budget.
 
     On accelerators the budget is gpu_memory_utilization of the device's memory minus what is in use
-    (weights) and a reserve for the step's activations. On CPU it is cpu_kv_cache_space GiB (1 GiB by
+    (weights) and a reserve for the step's activations, on ``device`` (default: the first device); under
+    tensor parallelism ``block_bytes`` is what one device holds of a block. On CPU it is cpu_kv_cache_space GiB (1 GiB by
     default), bounded by what max_num_seqs full-length sequences could ever use.
     """
     blocks_per_seq = math.ceil(max_model_len / cache.block_size)
@@ -43,7 +45,7 @@ def num_blocks_for(
         num = int(budget // block_bytes)
         num = min(num, max_num_seqs * blocks_per_seq + 1)
     else:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = (device or jax.devices()[0]).memory_stats() or {}
         limit = stats.get("bytes_limit", 0)
         in_use = stats.get("bytes_in_use", 0)
         budget = limit * cache.gpu_memory_utilization - in_use - activation_reserve_bytes
@@ -57,8 +59,11 @@ def num_blocks_for(
     return num
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype):
-    """Zeroed pages on the default device: list of (k_pages, v_pages), each [N, P, K, D]."""
+def allocate_kv_caches(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, sharding=None
+):
+    """Zeroed pages, created in place with ``sharding`` (default device if None): list of (k_pages, v_pages),
+    each [N, P, K, D]."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype))
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(make(), make()) for _ in range(num_layers)]

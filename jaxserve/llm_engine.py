@@ -56,6 +56,11 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: bool = True) -> "LLMEngine":
+        """One engine; with data_parallel_size > 1, a DPEngine of that many replicas (same interface)."""
+        if args.data_parallel_size > 1:
+            from jaxserve.dp_engine import DPEngine
+
+            return DPEngine.from_engine_args(args, progress=progress)
         return cls(build_engine_components(args, progress=progress))
 
     # ------------------------------------------------------------------ requests
@@ -198,4 +203,6 @@ class LLMEngine:
             "kv_cache_gib": round(self.runner.kv_cache_bytes / (1 << 30), 3),
             "token_buckets": self.runner.token_buckets,
             "attention_backend": self.runner.runner_config.attention_backend,
+            "tensor_parallel_size": self.runner.mesh.shape["model"],
+            "data_parallel_size": 1,
         }

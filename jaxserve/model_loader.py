@@ -40,27 +40,30 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
     )
 
 
-def load_model(path: str, fmt: str, *, dtype, attention_fn, seed: int = 0):
-    """Returns (model, TextModelConfig)."""
+def load_model(path: str, fmt: str, *, dtype, attention_fn, seed: int = 0, shardings_fn=None):
+    """Returns (model, TextModelConfig). ``shardings_fn(abstract_model)`` places parameters as they load (TP)."""
     from jaxserve.models.config import TextModelConfig
 
     if fmt == "safetensors":
         from jaxserve.models.loader.hf import load_hf_model
 
-        return load_hf_model(path, dtype=dtype, attention_fn=attention_fn)
+        return load_hf_model(path, dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn)
     if fmt == "gguf":
         from jaxserve.models.loader.gguf import read_gguf
         from jaxserve.models.loader.weights import load_from_hf_tensors
 
         ckpt = read_gguf(path)
         cfg = TextModelConfig.from_hf_config(ckpt.hf_config)
-        model = load_from_hf_tensors(cfg, ckpt.tensors(), dtype=dtype, attention_fn=attention_fn)
+        model = load_from_hf_tensors(
+            cfg, ckpt.tensors(), dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn
+        )
         return model, cfg
     if fmt == "dummy":
         from jaxserve.models.loader.dummy import load_dummy_model
 
         cfg = read_text_config(path)
-        return load_dummy_model(cfg, dtype=dtype, attention_fn=attention_fn, seed=seed), cfg
+        model = load_dummy_model(cfg, dtype=dtype, attention_fn=attention_fn, seed=seed, shardings_fn=shardings_fn)
+        return model, cfg
     raise ValueError(f"unknown model format {fmt!r}")
 
 

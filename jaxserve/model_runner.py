@@ -4,10 +4,16 @@ It owns the split model ``(graphdef, state)``, the paged KV cache (donated into 
 updates it in place), and one jitted step per static shape bucket. Each step: pad the scheduler's
 ragged batch to a bucket, run the model, take the logits of each sequence's last token, sample on
 device, and copy the sampled tokens back in one transfer.
+
+Sharding: the runner owns one (1, tp) mesh. Parameters, the KV cache (by KV heads) and the step's
+inputs and outputs are placed by jaxserve.sharding's rules; the step is jitted with those in/out
+shardings, so the donated cache comes back with the sharding it went in with (in place), and XLA adds
+the tensor-parallel collectives.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -18,7 +24,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve import buckets
+from jaxserve import buckets, sharding
 from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
@@ -49,6 +55,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         runner_config: RunnerConfig,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         self.text_config = text_config
         self.model_config = model_config
@@ -56,8 +63,13 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.runner_config = runner_config
         self.block_size = cache_config.block_size
-        self.graphdef, self.state = nnx.split(model)
-        self._eager_model = model if runner_config.enforce_eager else None
+        self.mesh = mesh if mesh is not None else sharding.replica_meshes(sharding.make_mesh(1))[0]
+        tp = self.mesh.shape["model"]
+        self.graphdef, state = nnx.split(model)
+        # A no-op when the loader already placed the weights (it does, via shardings_fn).
+        self.state = jax.device_put(state, sharding.param_shardings(model, self.mesh))
+        del state
+        self._eager_model = nnx.merge(self.graphdef, self.state) if runner_config.enforce_eager else None
         self.dtype = jnp.dtype(model_config.dtype)
 
         self.max_blocks_per_seq = math.ceil(model_config.max_model_len / self.block_size)
@@ -71,16 +83,30 @@ class ModelRunner:
         self.num_blocks = num_blocks_for(
             cache_config,
             platform=runner_config.platform,
-            block_bytes=block_bytes,
+            # Accelerators budget one device's memory, which holds 1/tp of every block's heads.
+            block_bytes=block_bytes if runner_config.platform == "cpu" else block_bytes // tp,
             max_model_len=model_config.max_model_len,
             max_num_seqs=scheduler_config.max_num_seqs,
             activation_reserve_bytes=self._activation_reserve_bytes(),
+            device=self.mesh.devices.flat[0],
         )
         self.kv_cache_bytes = self.num_blocks * block_bytes
+        cache_shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        cache_sharding = sharding.logical_sharding(self.mesh, sharding.KV_CACHE_AXES, cache_shape)
         self.kv_caches = allocate_kv_caches(
-            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
+            sharding=cache_sharding,
         )
-        self._step = jax.jit(_forward, static_argnums=0, donate_argnums=2)
+        state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
+        batch_sharding = sharding.replicated(self.mesh)  # input ids and the whole AttentionMetadata
+        logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
+        self._step = jax.jit(
+            functools.partial(_forward, self.graphdef),
+            donate_argnums=1,
+            in_shardings=(state_shardings, cache_shardings, batch_sharding, batch_sharding),
+            out_shardings=(logits_sharding, cache_shardings),
+        )
         self._sample = jax.jit(sample)
         self.num_steps = 0
 
@@ -144,7 +170,7 @@ class ModelRunner:
             hidden, self.kv_caches = self._eager_model(jnp.asarray(x.input_ids), self.kv_caches, md)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
             return sample(logits, sampling_md)
-        logits, self.kv_caches = self._step(self.graphdef, self.state, self.kv_caches, x.input_ids, md)
+        logits, self.kv_caches = self._step(self.state, self.kv_caches, x.input_ids, md)
         return self._sample(logits, sampling_md)
 
     # ------------------------------------------------------------------ compile
@@ -163,7 +189,7 @@ class ModelRunner:
             bar.set_postfix_str(f"tokens={t} ctx={b * self.block_size}")
             s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
             x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
-            logits, self.kv_caches = self._step(self.graphdef, self.state, self.kv_caches, x.input_ids, self._metadata(x))
+            logits, self.kv_caches = self._step(self.state, self.kv_caches, x.input_ids, self._metadata(x))
             for md in SamplingMetadata.warmup_variants(s):
                 jax.block_until_ready(self._sample(logits, md))
         return time.perf_counter() - start

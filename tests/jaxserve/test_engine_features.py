@@ -114,7 +114,7 @@ def test_unknown_and_unimplemented_options():
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(checkpoint("llama_gqa"), max_modle_len=64)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(checkpoint("llama_gqa"), tensor_parallel_size=2)
+        LLM(checkpoint("llama_gqa"), tensor_parallel_size=3)
 
 
 def test_chat_uses_template(llm):
