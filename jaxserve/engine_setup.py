@@ -62,7 +62,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     import jax.numpy as jnp
 
     from jaxserve import sharding
-    from jaxserve.model_loader import load_model, load_tokenizer, read_text_config, resolve_model_path
+    from jaxserve.model_loader import load_model, read_text_config, resolve_model_path
     from jaxserve.model_runner import ModelRunner
     from jaxserve.pallas_kernels.attention import get_attention_fn, resolve_backend
     from jaxserve.scheduler import Scheduler
@@ -88,7 +88,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
         shardings_fn=sharding.shardings_fn(mesh),
     )
     load_s = time.perf_counter() - t0
-    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path, fmt, args.tokenizer)
+    tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
 
     model_max = text_config.max_position_embeddings
     max_model_len = args.max_model_len or model_max
@@ -142,6 +142,20 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
         args, model_config, cache_config, scheduler_config, runner_config, text_config, tokenizer,
         tuple(sorted(eos)), runner, scheduler, ParallelConfig(tp, args.data_parallel_size), mesh,
     )
+
+
+def _tokenizer_or_none(path: str, fmt: str, tokenizer: Optional[str]):
+    """The model's tokenizer. A dummy-weight run from a config-only directory (benchmarks) may have none:
+    it then serves token-id prompts only, as with skip_tokenizer_init."""
+    from jaxserve.model_loader import load_tokenizer
+
+    try:
+        return load_tokenizer(path, fmt, tokenizer)
+    except ValueError:
+        if fmt != "dummy" or tokenizer is not None:
+            raise
+        logger.warning("no tokenizer found beside %s: dummy weights will take token-id prompts only", path)
+        return None
 
 
 def _default_served_name(model: Optional[str], path: str) -> str:

@@ -150,3 +150,16 @@ def test_dummy_weights_engine_runs():
     llm = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(load_format="dummy"))
     out = llm.generate([{"prompt_token_ids": _ids(7)}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_dummy_weights_from_a_config_only_directory(tmp_path):
+    """A benchmark shape with no tokenizer files: dummy weights still run on token-id prompts."""
+    import json
+    import shutil
+
+    shutil.copy(f"{checkpoint('llama_gqa')}/config.json", tmp_path / "config.json")
+    llm = LLM(str(tmp_path), **small_engine_kwargs(load_format="dummy"))
+    assert llm.get_tokenizer() is None
+    out = llm.generate([{"prompt_token_ids": _ids(5)}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, detokenize=False), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
