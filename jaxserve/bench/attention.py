@@ -180,7 +180,7 @@ def prefill_case(rng, num_seqs: int, prompt: int, configs: dict, quick: bool) ->
 
 def decode_configs(quick: bool) -> dict:
     """The default plus its neighbours (a wider sweep of tiles, warps, stages and masking ran earlier:
-    docs/benchmarks/attention.md)."""
+    docs/BENCHMARKS.md, section 3)."""
     if quick:
         return {"default": GpuKernelConfig()}
     out = {"default": GpuKernelConfig()}
