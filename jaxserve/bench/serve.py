@@ -298,6 +298,8 @@ def summarize(ns, model: str, results: list[RequestResult], duration: float) -> 
         "peak_output_throughput": peak_tps, "peak_concurrent_requests": int(peak_conc),
         "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpots),
         "itl_ms": _stats([g for r in ok for g in r.itl]), "e2el_ms": _stats([r.latency for r in ok]),
+        # Each request's output tokens over its own end-to-end time: the rate one user sees.
+        "request_output_throughput": _stats([r.output_tokens / r.latency for r in ok if r.latency > 0], scale=1.0),
         "client": {"python": platform.python_version(), "host": platform.node()},
     }
 
