@@ -81,9 +81,10 @@ def read_text_config(path: str):
 
 
 def load_tokenizer(path: str, fmt: str, tokenizer: Optional[str] = None):
-    """transformers' fast tokenizer for the model (from its directory, or built from GGUF metadata)."""
+    """transformers' fast tokenizer for the model (from its directory, or built from GGUF metadata);
+    ``tokenizer`` overrides where it comes from. ``fmt`` is the model's format (kept for callers)."""
     if tokenizer is not None:
-        path, fmt = tokenizer, ("gguf" if tokenizer.endswith(".gguf") else "safetensors")
+        path = tokenizer
     if path.endswith(".gguf"):
         from jaxserve.models.loader.gguf_tokenizer import load_gguf_tokenizer
 

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.llm import render_chat
 
 from jaxserve.server.deltas import DeltaTracker, final_outputs, stream_outputs
-from jaxserve.server.errors import bad_request, error_body, from_value_error
+from jaxserve.server.errors import bad_request, from_value_error
 from jaxserve.server.logprobs import chat_logprobs
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.protocol_responses import (
@@ -25,7 +25,7 @@ from jaxserve.server.protocol_responses import (
     now_s,
     random_id,
 )
-from jaxserve.server.serving import ServerState, abort_unfinished, engine_error, get_state, parse_body, usage
+from jaxserve.server.serving import ServerState, abort_unfinished, engine_error, get_state, guard_stream, parse_body, usage
 from jaxserve.server.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
 
 logger = logging.getLogger("jaxserve.server")
@@ -69,7 +69,8 @@ async def create_chat_completion(request: Request) -> Response:
     request_id = random_id("chatcmpl")
     streams = await state.submit(request_id, [prompt], params)
     if body.stream:
-        return SSEResponse(_stream(state, body, model, request_id, streams, len(prompt), top_k))
+        events = _stream(state, body, model, request_id, streams, len(prompt), top_k)
+        return SSEResponse(guard_stream(events, what="chat", request_id=request_id, engine=state.engine, streams=streams))
     try:
         finals = await cancel_on_disconnect(request, final_outputs(streams))
     except Exception as e:
@@ -105,30 +106,21 @@ async def _stream(
             ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=with_usage)
         )
 
-    try:
-        # OpenAI opens every choice with the role and empty content, before any token is ready.
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
-        async for _, out in stream_outputs(streams):
-            choices = []
-            for d in tracker.update(0, out):
-                lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
-                choices.append(
-                    ChatChunkChoice(
-                        index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp,
-                        finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                    )
+    # OpenAI opens every choice with the role and empty content, before any token is ready.
+    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
+    async for _, out in stream_outputs(streams):
+        choices = []
+        for d in tracker.update(0, out):
+            lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
+            choices.append(
+                ChatChunkChoice(
+                    index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp,
+                    finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                 )
-            if choices:
-                running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
-                yield chunk(choices, running)
-        if body.include_usage:
-            yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
-        yield DONE
-    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band, as OpenAI does
-        err = engine_error(e)
-        logger.warning("chat stream %s failed: %r", request_id, e)
-        status = getattr(err, "status", 500)
-        yield sse_event(error_body(status, getattr(err, "message", str(e)), code=getattr(err, "code", None)))
-        yield DONE
-    finally:
-        abort_unfinished(state.engine, streams)
+            )
+        if choices:
+            running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
+            yield chunk(choices, running)
+    if body.include_usage:
+        yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
+    yield DONE

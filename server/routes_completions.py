@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
-from jaxserve.server.errors import bad_request, error_body, from_value_error
+from jaxserve.server.errors import bad_request, from_value_error
 from jaxserve.server.logprobs import completion_logprobs
 from jaxserve.server.protocol import CompletionRequest
 from jaxserve.server.protocol_responses import (
@@ -18,7 +18,7 @@ from jaxserve.server.protocol_responses import (
     now_s,
     random_id,
 )
-from jaxserve.server.serving import ServerState, abort_unfinished, engine_error, get_state, parse_body, usage
+from jaxserve.server.serving import ServerState, abort_unfinished, engine_error, get_state, guard_stream, parse_body, usage
 from jaxserve.server.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
 
 logger = logging.getLogger("jaxserve.server")
@@ -55,7 +55,10 @@ async def create_completion(request: Request) -> Response:
     request_id = random_id("cmpl")
     streams = await state.submit(request_id, prompts, params)
     if body.stream:
-        return SSEResponse(_stream(state, body, model, request_id, streams, prompts, echo))
+        events = _stream(state, body, model, request_id, streams, prompts, echo)
+        return SSEResponse(
+            guard_stream(events, what="completion", request_id=request_id, engine=state.engine, streams=streams)
+        )
     try:
         finals = await cancel_on_disconnect(request, final_outputs(streams))
     except Exception as e:
@@ -101,33 +104,24 @@ async def _stream(
         resp = CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=with_usage)
         return sse_event(resp)
 
-    try:
-        async for i, out in stream_outputs(streams):
-            choices = []
-            for d in tracker.update(i, out):
-                prefix = echo[i] if d.first else ""
-                lp = None
-                if body.logprobs is not None and d.logprobs is not None:
-                    lp, offsets[d.index] = completion_logprobs(
-                        d.token_ids, d.logprobs, offsets.get(d.index, len(echo[i]))
-                    )
-                choices.append(
-                    CompletionChoice(
-                        index=d.index, text=prefix + d.text, logprobs=lp,
-                        finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                    )
+    async for i, out in stream_outputs(streams):
+        choices = []
+        for d in tracker.update(i, out):
+            prefix = echo[i] if d.first else ""
+            lp = None
+            if body.logprobs is not None and d.logprobs is not None:
+                lp, offsets[d.index] = completion_logprobs(
+                    d.token_ids, d.logprobs, offsets.get(d.index, len(echo[i]))
                 )
-            if choices:
-                running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
-                yield chunk(choices, running)
-        if body.include_usage:
-            yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
-        yield DONE
-    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band, as OpenAI does
-        err = engine_error(e)
-        logger.warning("completion stream %s failed: %r", request_id, e)
-        status = getattr(err, "status", 500)
-        yield sse_event(error_body(status, getattr(err, "message", str(e)), code=getattr(err, "code", None)))
-        yield DONE
-    finally:
-        abort_unfinished(state.engine, streams)
+            choices.append(
+                CompletionChoice(
+                    index=d.index, text=prefix + d.text, logprobs=lp,
+                    finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                )
+            )
+        if choices:
+            running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
+            yield chunk(choices, running)
+    if body.include_usage:
+        yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
+    yield DONE

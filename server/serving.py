@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import logging
+from typing import AsyncIterator
 from typing import Any, Optional, TypeVar
 
 import pydantic
@@ -14,7 +15,7 @@ from starlette.requests import Request
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from jaxserve.sampling_params import SamplingParams
 
-from jaxserve.server.errors import APIError, bad_request, from_validation_error, from_value_error
+from jaxserve.server.errors import APIError, bad_request, error_body, from_validation_error, from_value_error
 from jaxserve.server.protocol_responses import UsageInfo, now_s
 
 logger = logging.getLogger("jaxserve.server")
@@ -148,3 +149,24 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
         raise from_validation_error(e) from None
+
+
+async def guard_stream(
+    events: AsyncIterator[bytes], *, what: str, request_id: str, engine: AsyncLLMEngine, streams: list[RequestStream]
+) -> AsyncIterator[bytes]:
+    """Relay a route's SSE events. The status line is already sent, so an engine error mid-stream becomes
+    an in-band OpenAI error event (as OpenAI does); unfinished requests are aborted however the stream
+    ends, a client disconnect included."""
+    from jaxserve.server.sse import DONE, sse_event
+
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 - reported in-band, see above
+        err = engine_error(e)
+        logger.warning("%s stream %s failed: %r", what, request_id, e)
+        status = getattr(err, "status", 500)
+        yield sse_event(error_body(status, getattr(err, "message", str(e)), code=getattr(err, "code", None)))
+        yield DONE
+    finally:
+        abort_unfinished(engine, streams)
