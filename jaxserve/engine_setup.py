@@ -150,7 +150,7 @@ def _tokenizer_or_none(path: str, fmt: str, tokenizer: Optional[str]):
     from jaxserve.model_loader import load_tokenizer
 
     try:
-        return load_tokenizer(path, fmt, tokenizer)
+        return load_tokenizer(path, tokenizer)
     except ValueError:
         if fmt != "dummy" or tokenizer is not None:
             raise

@@ -80,9 +80,9 @@ def read_text_config(path: str):
     return read_hf_config(path)
 
 
-def load_tokenizer(path: str, fmt: str, tokenizer: Optional[str] = None):
+def load_tokenizer(path: str, tokenizer: Optional[str] = None):
     """transformers' fast tokenizer for the model (from its directory, or built from GGUF metadata);
-    ``tokenizer`` overrides where it comes from. ``fmt`` is the model's format (kept for callers)."""
+    ``tokenizer`` overrides where it comes from."""
     if tokenizer is not None:
         path = tokenizer
     if path.endswith(".gguf"):
