@@ -30,13 +30,15 @@ def seq_bucket_for(num_tokens_bucket: int, max_num_seqs: int) -> int:
 
 def block_width_buckets(max_blocks_per_seq: int, block_size: int, full_width_only: bool) -> list[int]:
     """Block-table widths B. A kernel that loops over the real context needs only the full width; the
-    jnp reference gathers B * block_size slots per token, so it gets context buckets (256, x4, ...)."""
+    jnp backends gather B * block_size slots per sequence, so they get context buckets: 256, 512, 1024,
+    then x4 (4096, ...). The x2 steps cover the common short contexts closely (decodes just past 256
+    would otherwise pay for 1024); x4 beyond keeps the number of compiled shapes small."""
     if full_width_only:
         return [max_blocks_per_seq]
     out, b = [], max(1, 256 // block_size)
     while b < max_blocks_per_seq:
         out.append(b)
-        b *= 4
+        b *= 2 if b * block_size < 1024 else 4
     out.append(max_blocks_per_seq)
     return out
 

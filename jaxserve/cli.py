@@ -20,7 +20,7 @@ _HELP = {
     "num_gpu_blocks_override": "fix the number of KV cache blocks",
     "cpu_kv_cache_space": "GiB of KV cache on CPU (default 1)",
     "enforce_eager": "run without the whole-step jit (slow; for debugging and comparison)",
-    "attention_backend": "auto, reference (pure jnp) or pallas",
+    "attention_backend": "auto (pallas on GPU/TPU, xla elsewhere), reference (plain jnp ground truth), xla (jnp that gathers little; fast on CPU) or pallas",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
     "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",

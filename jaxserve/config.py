@@ -35,7 +35,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     enforce_eager: bool = False
-    attention_backend: str = "auto"  # auto | reference | pallas
+    attention_backend: str = "auto"  # auto | reference | xla | pallas
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     skip_tokenizer_init: bool = False
     seed: int = 0
@@ -74,8 +74,8 @@ class EngineArgs:
             raise bad("kv_cache_dtype", f"only {KV_CACHE_DTYPES} is implemented so far (fp8 KV cache is planned)")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"choose one of {LOAD_FORMATS}")
-        if self.attention_backend not in ("auto", "reference", "pallas"):
-            raise bad("attention_backend", "choose one of ('auto', 'reference', 'pallas')")
+        if self.attention_backend not in ("auto", "reference", "xla", "pallas"):
+            raise bad("attention_backend", "choose one of ('auto', 'reference', 'xla', 'pallas')")
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:
             raise bad("block_size", "must be a power of two between 1 and 128")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -138,6 +138,6 @@ class ParallelConfig:
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     enforce_eager: bool
-    attention_backend: str  # resolved: "reference" | "pallas"
+    attention_backend: str  # resolved: "reference" | "xla" | "pallas"
     compilation_cache_dir: Optional[str]
     platform: str  # "cpu" | "gpu" | "tpu"

@@ -64,7 +64,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     from jaxserve import sharding
     from jaxserve.model_loader import load_model, read_text_config, resolve_model_path
     from jaxserve.model_runner import ModelRunner
-    from jaxserve.pallas_kernels.attention import get_attention_fn, resolve_backend
+    from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn, resolve_backend
     from jaxserve.scheduler import Scheduler
 
     args.validate()
@@ -79,7 +79,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
         mesh = sharding.replica_meshes(sharding.make_mesh(tp, args.data_parallel_size))[0]
     if tp > 1:
         sharding.check_tensor_parallel(read_text_config(path), tp)  # before any weight is read
-        if backend != "reference":  # a kernel is not split by XLA's partitioner: run it per device
+        if backend not in GATHER_BACKENDS:  # a kernel is not split by XLA's partitioner: run it per device
             attention_fn = sharding.shard_attention(attention_fn, mesh)
 
     t0 = time.perf_counter()

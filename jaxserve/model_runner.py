@@ -28,6 +28,7 @@ from jaxserve import buckets, sharding
 from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
+from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import sample, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
@@ -75,7 +76,7 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(model_config.max_model_len / self.block_size)
         self.token_buckets = buckets.token_buckets(scheduler_config.max_num_batched_tokens)
         self.width_buckets = buckets.block_width_buckets(
-            self.max_blocks_per_seq, self.block_size, full_width_only=runner_config.attention_backend != "reference"
+            self.max_blocks_per_seq, self.block_size, full_width_only=runner_config.attention_backend not in GATHER_BACKENDS
         )
 
         cfg = text_config

@@ -10,7 +10,10 @@ import jax
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference, write_kv
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
+
+# Backends that gather context with jnp: they want context-width buckets and are split by XLA's partitioner.
+GATHER_BACKENDS = ("reference", "xla")
 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
@@ -33,11 +36,11 @@ def paged_attention(
 
 
 def resolve_backend(name: str, platform: str) -> str:
-    """'auto' means the Pallas kernel on GPU/TPU once it exists, the jnp reference elsewhere."""
+    """'auto' means the Pallas kernel on GPU/TPU and the gather-light jnp ('xla') backend elsewhere."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {ATTENTION_BACKENDS}")
     if name == "auto":
-        return "pallas" if platform in ("gpu", "cuda", "tpu") and _pallas_available(platform) else "reference"
+        return "pallas" if platform in ("gpu", "cuda", "tpu") and _pallas_available(platform) else "xla"
     return name
 
 
@@ -54,9 +57,13 @@ def get_attention_fn(name: str, platform: str) -> AttentionFn:
     backend = resolve_backend(name, platform)
     if backend == "reference":
         return paged_attention
+    if backend == "xla":
+        from jaxserve.pallas_kernels.xla_attention import paged_attention_xla
+
+        return paged_attention_xla
     try:
         from jaxserve.pallas_kernels.paged_attention_pallas import paged_attention_pallas
     except ImportError as e:
-        raise ValueError(f"attention_backend='pallas' could not be loaded ({e}); use attention_backend='reference'") from e
+        raise ValueError(f"attention_backend='pallas' could not be loaded ({e}); use attention_backend='xla'") from e
     # Off-accelerator the kernels run in Pallas interpret mode: slow, exact, for tests and CI.
     return functools.partial(paged_attention_pallas, platform=platform, interpret=platform not in ("gpu", "tpu"))

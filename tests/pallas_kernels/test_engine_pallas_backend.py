@@ -1,4 +1,4 @@
-"""Engine integration: attention_backend='pallas' (interpret mode on CPU) gives the reference's greedy
+"""Engine integration: attention_backend='xla' and 'pallas' (interpret mode on CPU) give the reference's greedy
 tokens, which equal HF transformers'."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_pallas_backend_matches_reference_and_hf(variant):
     params = SamplingParams(temperature=0.0, max_tokens=6)
     kw = small_engine_kwargs(max_num_batched_tokens=64)
     want = [hf_greedy(path, p, 6) for p in prompts]
-    for backend in ("reference", "pallas"):
+    for backend in ("reference", "xla", "pallas"):
         llm = LLM(path, attention_backend=backend, **kw)
         assert llm.llm_engine.runner.runner_config.attention_backend == backend
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
