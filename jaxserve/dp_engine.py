@@ -100,11 +100,12 @@ class DPEngine:
         if request_id in self._placements:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
-        _, prompt_ids = self.tokenize_prompt(prompt)
+        text, prompt_ids = self.tokenize_prompt(prompt)
         room = self.model_config.max_model_len - len(prompt_ids)
         max_new = room if params.max_tokens is None else min(params.max_tokens, room)
         index = self._pick_replica()
-        self.replicas[index].add_request(request_id, prompt, params, arrival_time)  # raises before we record it
+        tokenized = {"prompt": text, "prompt_token_ids": prompt_ids}  # the replica need not tokenize again
+        self.replicas[index].add_request(request_id, tokenized, params, arrival_time)  # raises before we record it
         self._placements[request_id] = _Placement(index, len(prompt_ids) + max_new * params.n)
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> list[RequestOutput]:

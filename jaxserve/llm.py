@@ -60,14 +60,16 @@ class LLM:
                     "pass one SamplingParams or one per prompt"
                 )
         engine = self.llm_engine
+        tokenized = []  # each prompt tokenized once, here; the engine takes the ids (and keeps the text)
         for i, (p, sp) in enumerate(zip(prompts, params)):  # validate everything before queueing anything
             try:
-                _, ids = engine.tokenize_prompt(p)
-                engine.validate_prompt(ids, sp)
+                text, prompt_ids = engine.tokenize_prompt(p)
+                engine.validate_prompt(prompt_ids, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+            tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
         ids = [str(next(self._ids)) for _ in prompts]
-        for rid, p, sp in zip(ids, prompts, params):
+        for rid, p, sp in zip(ids, tokenized, params):
             engine.add_request(rid, p, sp)
         return self._run(ids, use_tqdm)
 

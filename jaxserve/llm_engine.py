@@ -69,7 +69,9 @@ class LLMEngine:
         """Accepts a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")  # both given (e.g. already tokenized by DPEngine): keep the text too
+                _, ids = self.tokenize_prompt(list(prompt["prompt_token_ids"]))
+                return (text if isinstance(text, str) else None), ids
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:

@@ -116,6 +116,16 @@ def test_dp_replicas_on_disjoint_devices_and_router_balances():
     assert stats.num_running == stats.num_waiting == 0
     assert engine.info()["data_parallel_size"] == 2
 
+    # A text prompt is tokenized once (by the router), and its text still comes back with the output.
+    calls = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda *a, **k: calls.append(a) or encode(*a, **k)
+    try:
+        out = llm.generate("hello world", params, use_tqdm=False)[0]
+    finally:
+        engine.tokenizer.encode = encode
+    assert len(calls) == 1 and out.prompt == "hello world" and out.prompt_token_ids == encode("hello world")
+
 
 @pytest.mark.parametrize(
     "kwargs,match",
