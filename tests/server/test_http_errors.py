@@ -172,7 +172,18 @@ def wait_idle(http: httpx.Client, timeout: float = 20.0) -> None:
     raise AssertionError("requests still running after the client went away")
 
 
-def test_dropped_stream_is_aborted(http):
+@pytest.fixture
+def slow_steps(server):
+    """Make each engine step take >= 5 ms, so a 400-token request surely outlives a 0.3 s client timeout
+    however fast the machine (the tiny model alone can finish it in about that time)."""
+    engine = server.engine.engine
+    step = engine.step
+    engine.step = lambda: time.sleep(0.005) or step()
+    yield
+    engine.step = step
+
+
+def test_dropped_stream_is_aborted(http, slow_steps):
     before = aborted(http)
     body = {"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -185,7 +196,7 @@ def test_dropped_stream_is_aborted(http):
     still_serves(http)
 
 
-def test_dropped_plain_request_is_aborted(server, http):
+def test_dropped_plain_request_is_aborted(server, http, slow_steps):
     before = aborted(http)
     body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):

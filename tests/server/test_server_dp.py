@@ -128,7 +128,10 @@ def test_metrics_report_running_and_waiting_across_replicas(server, http):
     wait_idle(http)
 
 
-def test_dropped_stream_is_aborted(server, http):
+def test_dropped_stream_is_aborted(server, http, monkeypatch):
+    # >= 5 ms per step, so the 400-token request surely outlives the client however fast the machine.
+    step = server.engine.engine.step
+    monkeypatch.setattr(server.engine.engine, "step", lambda: time.sleep(0.005) or step())
     before = metric(http, "jaxserve:request_success_total", finished_reason="abort")
     body = {"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
