@@ -50,6 +50,15 @@ def num_blocks_for(
         in_use = stats.get("bytes_in_use", 0)
         budget = limit * cache.gpu_memory_utilization - in_use - activation_reserve_bytes
         num = int(budget // block_bytes)
+        if num < blocks_per_seq:
+            gib = 1 << 30
+            raise ValueError(
+                f"no room for the KV cache: gpu_memory_utilization={cache.gpu_memory_utilization} of "
+                f"{limit / gib:.1f} GiB, minus {in_use / gib:.1f} GiB already in use (weights, or another engine "
+                f"in this process), minus {activation_reserve_bytes / gib:.1f} GiB for activations, leaves "
+                f"{max(num, 0)} blocks, fewer than one sequence of max_model_len={max_model_len} needs "
+                f"({blocks_per_seq}); raise gpu_memory_utilization, lower max_model_len, or set num_gpu_blocks_override"
+            )
     if num < blocks_per_seq:
         raise ValueError(
             f"the KV cache holds only {num} blocks of {cache.block_size} tokens ({num * cache.block_size} tokens), "

@@ -1,10 +1,12 @@
 """Pallas ragged paged attention: the engine's entry point for ``attention_backend="pallas"``.
 
-One call serves a ragged batch of any mix. On GPU two Pallas (Triton-lowered) kernels split the work by
-query length, both sized from static shapes alone:
+One call serves a ragged batch of any mix. On GPU two Pallas kernels split the work by query length,
+both sized from static shapes alone:
 - sequences with at most ``q_per_seq`` new tokens (decodes) go to the split-context decode kernel
-  (``triton_decode``), which reads each KV page once per KV head;
-- longer ones (prefill chunks) go to the causal flash kernel (``triton_prefill``).
+  (``triton_decode``, Triton lowering), which reads each KV page once per KV head;
+- longer ones (prefill chunks) go to a causal flash kernel: on Hopper the Mosaic GPU one
+  (``mosaic_prefill``: wgmma and TMA), elsewhere, or for shapes it does not take, the Triton one
+  (``triton_prefill``). ``GpuKernelConfig.prefill_impl`` overrides the choice.
 Each kernel's programs for the other kind of sequence exit at once, so a pure decode or pure prefill
 step pays only an empty launch for the other. On TPU the same interface calls jax's
 ``ragged_paged_attention`` Pallas TPU op (``tpu_ragged_adapter``).
@@ -16,14 +18,16 @@ donated cache and moves T rows, tiny next to the context reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels import mosaic_prefill
 from jaxserve.pallas_kernels import triton_common as tc
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.reference import write_kv
-from jaxserve.pallas_kernels.triton_decode import decode_partials, merge_splits
+from jaxserve.pallas_kernels.triton_decode import decode_attention
 from jaxserve.pallas_kernels.triton_prefill import prefill_attention
 
 
@@ -34,8 +38,16 @@ class GpuKernelConfig:
     decode_tile_tokens: int = 64  # KV tokens per decode loop step (capped to fit shared memory)
     decode_splits: int | None = None  # context splits per sequence
     decode_warps: int = 2
-    decode_stages: int = 2
-    prefill_rows: int = 128  # query rows (tokens x heads of a group) per prefill program
+    # 1: no software pipelining; 8% faster than 2 through the whole entry point on the H200 (2026-11-29),
+    # presumably because half the shared memory per program lets twice as many programs share an SM.
+    decode_stages: int = 1
+    decode_heads_inner: bool = True  # grid order: the K programs of one sequence launch side by side
+    # Prefill kernel: "auto" (Mosaic GPU on Hopper when the shapes suit it, else Triton), "mosaic" (an error
+    # where it cannot run) or "triton". In interpret mode "auto" means Triton.
+    prefill_impl: str = "auto"
+    mosaic_block_kv: int = 128  # KV tokens per Mosaic prefill pipeline step
+    mosaic_stages: int = 2
+    prefill_rows: int = 128  # Triton prefill: query rows (tokens x heads of a group) per program
     prefill_tile_tokens: int = 64
     prefill_warps: int = 4
     prefill_stages: int = 2
@@ -44,13 +56,29 @@ class GpuKernelConfig:
     v_mask: str = "where"
 
 
-# Programs the decode grid aims for: a few waves over the H200's 132 SMs keeps every SM streaming.
-_TARGET_DECODE_PROGRAMS = 1024
+# Programs the decode grid aims for before it splits contexts: enough to keep the H200's 132 SMs
+# streaming. 512, not 1024: at 64 sequences x 8 KV heads one split measured the same as two (within
+# noise) and saves the merge kernel (2026-11-29).
+_TARGET_DECODE_PROGRAMS = 512
 
 
 def _decode_splits(num_seqs: int, num_kv_heads: int, tiles_per_seq: int) -> int:
     splits = tc.next_pow2(max(1, -(-_TARGET_DECODE_PROGRAMS // (num_seqs * num_kv_heads))))
     return max(1, min(splits, tiles_per_seq))
+
+
+def _use_mosaic_prefill(cfg: GpuKernelConfig, q, page_size: int, sliding_window, interpret: bool) -> bool:
+    if cfg.prefill_impl not in ("auto", "mosaic", "triton"):
+        raise ValueError(f"prefill_impl={cfg.prefill_impl!r}: use 'auto', 'mosaic' or 'triton'")
+    if cfg.prefill_impl == "triton" or (cfg.prefill_impl == "auto" and interpret):
+        return False
+    reason = mosaic_prefill.unsupported_reason(
+        head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size, block_kv=cfg.mosaic_block_kv,
+        stages=cfg.mosaic_stages, sliding_window=sliding_window, interpret=interpret,
+    )  # fmt: skip
+    if reason is not None and cfg.prefill_impl == "mosaic":
+        raise ValueError(f"prefill_impl='mosaic' cannot run here: {reason}; use prefill_impl='auto' or 'triton'")
+    return reason is None
 
 
 def paged_attention_pallas(
@@ -104,7 +132,8 @@ def ragged_attention_gpu(
     gp = tc.next_pow2(g)  # Triton tiles need power-of-two sizes
     q_per_seq = max(1, 16 // gp)  # decode rows = q_per_seq * gp >= 16, the smallest MMA tile
     block_q = max(1, cfg.prefill_rows // gp)
-    pad = max(q_per_seq, block_q)
+    use_mosaic = _use_mosaic_prefill(cfg, q, page_size, sliding_window, interpret)
+    pad = q_per_seq if use_mosaic else max(q_per_seq, block_q)  # the Mosaic kernel reads q itself
 
     # [T + pad, K, Gp, D]: the query heads of a KV head side by side; padding keeps every tile's loads in bounds.
     q_p = jnp.pad(q.reshape(t, kh, g, d), ((0, pad), (0, 0), (0, gp - g), (0, 0)))
@@ -116,28 +145,40 @@ def ragged_attention_gpu(
     dec_tile = tc.pick_tile_tokens(cfg.decode_tile_tokens, d, item, cfg.decode_stages)
     pre_tile = tc.pick_tile_tokens(cfg.prefill_tile_tokens, d, item, cfg.prefill_stages)
     splits = cfg.decode_splits or _decode_splits(s_count, kh, -(-width * page_size // dec_tile))
-    acc, m, l = decode_partials(
-        q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables,
+    decode = functools.partial(
+        decode_attention, q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables,
         scale=scale, q_per_seq=q_per_seq, tile_tokens=dec_tile, num_splits=splits,
         sliding_window=sliding_window, v_mask=cfg.v_mask, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
-        interpret=interpret,
+        heads_inner=cfg.decode_heads_inner, interpret=interpret,
     )  # fmt: skip
-    dec = merge_splits(acc, m, l).reshape(s_count, kh, q_per_seq, gp, d)  # [S, K, QA, Gp, D]
+    max_prefill_seqs = t // (q_per_seq + 1)  # a prefill sequence has more than q_per_seq tokens
 
-    pre = prefill_attention(
-        q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables, ~is_decode_seq,
-        num_tokens=t, scale=scale, block_q=block_q,
-        tile_tokens=pre_tile, sliding_window=sliding_window, v_mask=cfg.v_mask,
-        num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages, interpret=interpret,
-    )  # fmt: skip
+    if use_mosaic:
+        mcfg = mosaic_prefill.MosaicPrefillConfig(block_kv=cfg.mosaic_block_kv, stages=cfg.mosaic_stages)
+        pre = mosaic_prefill.prefill_attention_mosaic(
+            q, k_pages, v_pages, qsl, md.seq_lens, md.block_tables, ~is_decode_seq,
+            scale=scale, max_prefill_seqs=max_prefill_seqs, config=mcfg, interpret=interpret,
+        )  # fmt: skip  [T, H, D]: prefill tokens' rows, zeros for padding tokens, decode rows unwritten
+        if gp == g and not interpret:
+            # The decode kernel writes its rows into the same buffer: every row is then final, no routing
+            # pass. (Interpret mode would clamp the decode kernel's row window at the buffer's end.)
+            return decode(out=pre.reshape(t, kh, g, d)).reshape(t, h, d)
+        pre = pre.reshape(t, kh, g, d)
+    else:
+        pre = prefill_attention(
+            q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables, ~is_decode_seq,
+            num_tokens=t, max_prefill_seqs=max_prefill_seqs, scale=scale, block_q=block_q,
+            tile_tokens=pre_tile, sliding_window=sliding_window, v_mask=cfg.v_mask,
+            num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages, interpret=interpret,
+        )[:t, :, :g]  # fmt: skip  rows of prefill tokens
+    dec = decode()[:t, :, :g]  # rows of decode tokens
 
-    # Route each token to the kernel that owned its sequence; tokens outside every query range
-    # (padding) get zeros instead of whatever the unwritten buffers held.
+    # Each token takes the output of the kernel that owned its sequence; tokens outside every query
+    # range (padding) get zeros instead of whatever the unwritten rows held.
     seq = md.token_seq_ids  # [T]
     r = jnp.arange(t, dtype=jnp.int32) - qsl[seq]  # [T] index of the token within its sequence's query
     in_range = (r >= 0) & (r < q_lens[seq])
-    dec_tok = dec[seq, :, jnp.clip(r, 0, q_per_seq - 1), :g, :]  # [T, K, G, D]
     use_dec = (in_range & is_decode_seq[seq])[:, None, None, None]
     use_pre = (in_range & ~is_decode_seq[seq])[:, None, None, None]
-    out = jnp.where(use_dec, dec_tok.astype(q.dtype), jnp.where(use_pre, pre[:t, :, :g, :], 0))
+    out = jnp.where(use_dec, dec, jnp.where(use_pre, pre, 0))
     return out.reshape(t, h, d)

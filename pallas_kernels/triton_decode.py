@@ -1,11 +1,18 @@
 """Decode-path kernel (Pallas, Triton lowering): sequences with a few new tokens, context split in parts.
 
-Grid: (sequence s, KV head k, context split j). One program packs the query heads of KV head k for up to
-``q_per_seq`` new tokens of s into one row tile (QA tokens x Gp heads >= 16 rows, the smallest tile the
-tensor cores take), so each KV page is read once per KV head. Split j walks context tokens
-``[j * tokens_per_split, (j + 1) * tokens_per_split)`` and writes an unnormalised partial result plus its
-running max and sum; ``merge_splits`` combines them. Sequences with more than ``q_per_seq`` new tokens
-(prefill chunks) are left to the prefill kernel: their programs do no work.
+Grid: (KV head k, sequence s, context split j), KV head fastest so that the K programs of one sequence
+run side by side and read the same pages (adjacent 256-byte rows of each token's [K, D] slab). One
+program packs the query heads of KV head k for up to ``q_per_seq`` new tokens of s into one row tile
+(QA tokens x Gp heads >= 16 rows, the smallest tile the tensor cores take), so each KV page is read
+once per KV head. Split j walks context tokens ``[j * tokens_per_split, (j + 1) * tokens_per_split)``.
+
+Only the rows of a sequence's real tokens are stored, straight into a token-indexed output
+``[T(+QA), K, Gp, D]`` in the query dtype. That buffer may be the prefill kernel's output, passed in and
+aliased, so that one buffer ends up holding every token's row with no routing pass. With one split the
+kernel normalises and stores its rows itself; with several it stores unnormalised f32 partials per
+sequence plus their running max and sum, and a second small kernel (``_merge_kernel``) combines them
+and stores the rows. Sequences with more than ``q_per_seq`` new tokens (prefill chunks) are left to the
+prefill kernel: their programs do no work and leave their rows alone.
 """
 
 from __future__ import annotations
@@ -28,18 +35,21 @@ def _decode_kernel(
     q_ref,  # [T + QA, K, Gp, D]
     k_ref,  # [N, P, K, D]
     v_ref,  # [N, P, K, D]
-    acc_ref,  # out [num_splits, S, K, M, D] f32
-    m_ref,  # out [num_splits, S, K, M] f32
-    l_ref,  # out [num_splits, S, K, M] f32
-    *,
+    *refs,  # (aliased buffer in,) then out: o [T(+QA), K, Gp, D], or acc [J, S, K, M, D] f32, m and l [J, S, K, M] f32
     scale: float,
     q_per_seq: int,
     tile_tokens: int,
     tokens_per_split: int,
     sliding_window: int | None,
     v_mask: str,
+    heads_inner: bool,
+    aliased: bool,
 ):
-    s, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    out_refs = refs[1:] if aliased else refs
+    if heads_inner:
+        kh, s, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        s, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = k_ref.shape[-1]
     gp = q_ref.shape[2]
     rows = q_per_seq * gp
@@ -74,12 +84,61 @@ def _decode_kernel(
         return tc.online_softmax_step(q, k, v, visible, carry, scale=scale, precision=precision)
 
     acc, m, l = lax.fori_loop(0, n_tiles, body, tc.init_carry(rows, head_dim))
-    acc_ref[split, s, kh, :, :] = acc
-    m_ref[split, s, kh, :] = m
-    l_ref[split, s, kh, :] = l
+    # Only the rows of this sequence's real tokens are stored: the next rows belong to other sequences.
+    tok_ok = active & (lax.broadcasted_iota(jnp.int32, (q_per_seq, gp), 0) < q_len)  # [QA, Gp]
+    if len(out_refs) == 1:  # one split: normalise here and store the final rows
+        (o_ref,) = out_refs
+        out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype).reshape(q_per_seq, gp, head_dim)
+        plgpu.store(o_ref.at[pl.ds(q_start, q_per_seq), kh, :, :], out, mask=tok_ok[:, :, None])
+        return
+    acc_ref, m_ref, l_ref = out_refs
+    row_ok = tok_ok.reshape(rows)
+    plgpu.store(acc_ref.at[split, s, kh, :, :], acc, mask=row_ok[:, None])
+    plgpu.store(m_ref.at[split, s, kh, :], m, mask=row_ok)
+    plgpu.store(l_ref.at[split, s, kh, :], l, mask=row_ok)
 
 
-def decode_partials(
+def _merge_kernel(
+    qsl_ref,  # [S+1] int32
+    acc_ref,  # [J, S, K, M, D] f32
+    m_ref,  # [J, S, K, M] f32
+    l_ref,  # [J, S, K, M] f32
+    *refs,  # (aliased buffer in,) out o [T(+QA), K, Gp, D]
+    q_per_seq: int,
+    aliased: bool,
+):
+    """Combine one (sequence, KV head)'s split partials (log-sum-exp rescaling) and store its rows."""
+    o_ref = refs[-1]
+    kh, s = pl.program_id(0), pl.program_id(1)
+    num_splits, rows, head_dim = acc_ref.shape[0], acc_ref.shape[3], acc_ref.shape[4]
+    gp = rows // q_per_seq
+    q_start = qsl_ref[s]
+    q_len = qsl_ref[s + 1] - q_start
+    tok_ok = (q_len <= q_per_seq) & (lax.broadcasted_iota(jnp.int32, (q_per_seq, gp), 0) < q_len)  # [QA, Gp]
+    row_ok = tok_ok.reshape(rows)
+
+    @pl.when((q_len > 0) & (q_len <= q_per_seq))
+    def _():
+        def load(ref, j):  # rows past the sequence's tokens were never written: read them as zeros
+            if len(ref.shape) == 5:
+                return plgpu.load(ref.at[j, s, kh, :, :], mask=row_ok[:, None], other=0.0)
+            return plgpu.load(ref.at[j, s, kh, :], mask=row_ok, other=0.0)
+
+        m_all = lax.fori_loop(0, num_splits, lambda j, mx: jnp.maximum(mx, load(m_ref, j)), load(m_ref, jnp.int32(0)))
+
+        def add(j, carry):
+            num, den = carry
+            w = jnp.exp(load(m_ref, j) - m_all)  # [M]
+            return num + load(acc_ref, j) * w[:, None], den + load(l_ref, j) * w
+
+        num, den = lax.fori_loop(
+            0, num_splits, add, (jnp.zeros((rows, head_dim), jnp.float32), jnp.zeros((rows,), jnp.float32))
+        )
+        out = (num / jnp.where(den > 0, den, 1.0)[:, None]).astype(o_ref.dtype).reshape(q_per_seq, gp, head_dim)
+        plgpu.store(o_ref.at[pl.ds(q_start, q_per_seq), kh, :, :], out, mask=tok_ok[:, :, None])
+
+
+def decode_attention(
     q_p: jax.Array,  # [T + QA, K, Gp, D]
     k_pages: jax.Array,  # [N, P, K, D]
     v_pages: jax.Array,  # [N, P, K, D]
@@ -95,9 +154,11 @@ def decode_partials(
     v_mask: str,
     num_warps: int,
     num_stages: int,
+    heads_inner: bool = True,
+    out: jax.Array | None = None,  # [T', K, Gp, D]: write the decode rows into this buffer (aliased)
     interpret: bool,
-):
-    """Run the split-context decode kernel: returns (acc[J,S,K,M,D], m[J,S,K,M], l[J,S,K,M]) in f32."""
+) -> jax.Array:  # `out` with the decode tokens' rows written, else a new [T + QA, K, Gp, D] holding only those
+    """Run the split-context decode kernel (and, with several splits, the merge kernel)."""
     s_count, width = block_tables.shape
     page_size = k_pages.shape[1]
     kh_count, gp, head_dim = q_p.shape[1:]
@@ -107,6 +168,10 @@ def decode_partials(
     # Pad the table so every tile's page ids are in bounds; padded pages lie past seq_len and are masked.
     padded_width = pl.cdiv(num_splits * tokens_per_split, page_size)
     tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - width)))
+    aliased = out is not None
+    out_struct = jax.ShapeDtypeStruct(out.shape if aliased else q_p.shape, q_p.dtype)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    single = num_splits == 1
     kernel = functools.partial(
         _decode_kernel,
         scale=scale,
@@ -115,31 +180,38 @@ def decode_partials(
         tokens_per_split=tokens_per_split,
         sliding_window=sliding_window,
         v_mask=v_mask,
+        heads_inner=heads_inner,
+        aliased=aliased and single,
     )
-    part_shape = (num_splits, s_count, kh_count, rows)
-    return pl.pallas_call(
+    if single:
+        out_shape = [out_struct]
+    else:
+        part = (num_splits, s_count, kh_count, rows)
+        out_shape = [
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ]
+    args = (query_start_loc, seq_lens, tables, q_p, k_pages, v_pages)
+    grid = (kh_count, s_count, num_splits) if heads_inner else (s_count, kh_count, num_splits)
+    outs = pl.pallas_call(
         kernel,
-        grid=(s_count, kh_count, num_splits),
-        out_shape=[
-            jax.ShapeDtypeStruct((*part_shape, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(part_shape, jnp.float32),
-            jax.ShapeDtypeStruct(part_shape, jnp.float32),
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        grid=grid,
+        out_shape=out_shape,
+        input_output_aliases={len(args): 0} if aliased and single else {},
+        compiler_params=params,
         interpret=interpret,
         name="jaxserve_paged_decode",
-    )(query_start_loc, seq_lens, tables, q_p, k_pages, v_pages)
-
-
-def merge_splits(
-    acc: jax.Array,  # [J, S, K, M, D] f32
-    m: jax.Array,  # [J, S, K, M]
-    l: jax.Array,  # [J, S, K, M]
-) -> jax.Array:  # [S, K, M, D] f32
-    """Combine the context splits' partial softmaxes (log-sum-exp rescaling)."""
-    m_all = m.max(axis=0)  # [S, K, M]
-    w = jnp.exp(m - m_all[None])  # [J, S, K, M]
-    num = (acc * w[..., None]).sum(axis=0)
-    den = (l * w).sum(axis=0)
-    # Inactive programs leave l == 0; keep their (ignored) rows finite.
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
+    )(*args, *((out,) if aliased and single else ()))
+    if single:
+        return outs[0]
+    merge = functools.partial(_merge_kernel, q_per_seq=q_per_seq, aliased=aliased)
+    return pl.pallas_call(
+        merge,
+        grid=(kh_count, s_count),
+        out_shape=out_struct,
+        input_output_aliases={4: 0} if aliased else {},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxserve_decode_merge",
+    )(query_start_loc, *outs, *((out,) if aliased else ()))

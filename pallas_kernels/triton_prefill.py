@@ -121,6 +121,7 @@ def prefill_attention(
     is_prefill_seq: jax.Array,  # [S] bool
     *,
     num_tokens: int,
+    max_prefill_seqs: int | None = None,
     scale: float,
     block_q: int,
     tile_tokens: int,
@@ -131,7 +132,9 @@ def prefill_attention(
     interpret: bool,
 ) -> jax.Array:  # [T + BQ, K, Gp, D]; rows of tokens it does not own are unwritten
     s_count, width = block_tables.shape
-    num_blocks = pl.cdiv(num_tokens, block_q) + s_count
+    # Each prefill sequence adds at most one partial block; max_prefill_seqs (at most T // (QA + 1) when
+    # decodes take up to QA tokens) keeps a pure-decode step's empty launch small.
+    num_blocks = pl.cdiv(num_tokens, block_q) + min(s_count, s_count if max_prefill_seqs is None else max_prefill_seqs)
     blk_seq, blk_off = query_block_schedule(
         query_start_loc, is_prefill_seq, block_q=block_q, num_blocks=num_blocks
     )

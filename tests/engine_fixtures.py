@@ -6,6 +6,8 @@ import functools
 import os
 import tempfile
 
+import jax
+
 from tiny_models import VARIANTS, make_tiny_checkpoint
 
 _ROOT = tempfile.mkdtemp(prefix="jaxserve-tiny-")
@@ -31,4 +33,8 @@ def small_engine_kwargs(**overrides):
         use_tqdm_on_load=False,
     )
     kw.update(overrides)
+    if jax.default_backend() != "cpu" and "num_gpu_blocks_override" not in kw:
+        # On a GPU a cache is sized from free device memory (0.9 of it), so the second engine a test builds
+        # in one process would find none left: size it as on CPU (every sequence at full length, + null block).
+        kw["num_gpu_blocks_override"] = kw["max_num_seqs"] * -(-kw["max_model_len"] // kw["block_size"]) + 1
     return kw

@@ -1,17 +1,21 @@
-"""Attention kernel benchmark: jaxserve's Pallas kernel against XLA (the jnp reference) and jax's bundled op.
+"""Attention kernel benchmark: jaxserve's Pallas kernels against XLA (the jnp reference) and jax's bundled ops.
 
     python -m jaxserve.bench.attention [--out results.json] [--quick]
+        [--decode-configs a,b] [--prefill-configs a,b] [--prefill-impl auto|mosaic|triton] [--skip-decode]
 
 Decode is memory-bound, so it is scored in KV bytes read per second (each sequence's K and V context
 read once); prefill in causal attention TFLOP/s (4*H*D per visible query-key pair). The ceilings are
 measured in the same run: an elementwise copy for HBM bandwidth (bytes read + written) and a bf16
 8192^3 matmul for the tensor-core rate. Every timed variant is first checked against the reference.
+Decode is also compared with jax's bundled Pallas ``paged_attention``; prefill with jax's bundled
+Mosaic GPU flash attention run on already-gathered contiguous K/V (no paging: a ceiling of sorts).
 ``--quick`` shrinks every shape and runs the kernels in interpret mode: a smoke test for CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -84,7 +88,7 @@ def decode_case(rng, num_seqs: int, ctx: int, configs: dict, quick: bool) -> dic
 
     def record(name, fn, fn_args, out=None):
         err = rel_err(out if out is not None else fn(*fn_args), ref)
-        sec = time_fn(fn, *fn_args)
+        sec = time_fn(fn, *fn_args, reps=50, rounds=7)
         rows[name] = {"us": sec * 1e6, "kv_tbps": kv_bytes / sec / 1e12, "rel_err": err}
         print(f"  decode S={num_seqs} ctx={ctx} {name:40s} {sec * 1e6:9.1f} us {kv_bytes / sec / 1e12:6.3f} TB/s err {err:.1e}", flush=True)
 
@@ -103,16 +107,17 @@ def decode_case(rng, num_seqs: int, ctx: int, configs: dict, quick: bool) -> dic
         # How much of the entry point's time is the decode kernel itself (the rest: pad, merge, routing).
         cfg = configs[best[len("jaxserve_pallas["):-1]]
         only = jax.jit(lambda q, k, v, md, cfg=cfg: _decode_kernel_only(q, k, v, md, cfg))
-        sec = time_fn(only, *args)
+        sec = time_fn(only, *args, reps=50, rounds=7)
         rows[f"decode_kernel_only[{best}]"] = {"us": sec * 1e6, "kv_tbps": kv_bytes / sec / 1e12, "rel_err": float("nan")}
         print(f"  decode kernel alone ({best}): {sec * 1e6:.1f} us {kv_bytes / sec / 1e12:.3f} TB/s", flush=True)
     return {"num_seqs": num_seqs, "ctx": ctx, "kv_bytes": kv_bytes, "results": rows}
 
 
 def _decode_kernel_only(q, k_pages, v_pages, md, cfg):
+    """The decode kernel (and its split merge, when it splits) without the entry point's routing."""
     from jaxserve.pallas_kernels import triton_common as tc
     from jaxserve.pallas_kernels.paged_attention_pallas import _decode_splits
-    from jaxserve.pallas_kernels.triton_decode import decode_partials
+    from jaxserve.pallas_kernels.triton_decode import decode_attention
 
     t, h, d = q.shape
     kh, gp = k_pages.shape[2], h // k_pages.shape[2]
@@ -121,10 +126,11 @@ def _decode_kernel_only(q, k_pages, v_pages, md, cfg):
     tile = tc.pick_tile_tokens(cfg.decode_tile_tokens, d, q.dtype.itemsize, cfg.decode_stages)
     s_count, width = md.block_tables.shape
     splits = cfg.decode_splits or _decode_splits(s_count, kh, -(-width * k_pages.shape[1] // tile))
-    return decode_partials(
+    return decode_attention(
         q_p, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables, scale=d**-0.5,
         q_per_seq=q_per_seq, tile_tokens=tile, num_splits=splits, sliding_window=None, v_mask=cfg.v_mask,
-        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, interpret=False,
+        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, heads_inner=cfg.decode_heads_inner,
+        interpret=False,
     )  # fmt: skip
 
 
@@ -141,6 +147,20 @@ def dense_causal_prefill(q, k_pages, v_pages, block_tables, *, scale):
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)  # [S, K, G, L, C]
     out = jnp.einsum("skglc,sckd->slkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(t, h, d).astype(q.dtype)
+
+
+def bundled_flash_mgpu(batch, num_seqs: int, prompt: int, scale: float):
+    """jax's bundled Mosaic GPU (FlashAttention-3 style) kernel wants [B, L, H, D], contiguous K/V, float16."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    t, h, d = batch.q.shape
+    kh = batch.k_pages.shape[2]
+    # It applies no softmax scale, and its shared-memory buffers are float16.
+    q = (batch.q * scale).reshape(num_seqs, prompt, h, d).astype(jnp.float16)
+    k = batch.k_pages[batch.md.block_tables].reshape(num_seqs, -1, kh, d)[:, :prompt].astype(jnp.float16)
+    v = batch.v_pages[batch.md.block_tables].reshape(num_seqs, -1, kh, d)[:, :prompt].astype(jnp.float16)
+    cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+    return jax.jit(lambda q, k, v: attention_mgpu.attention(q, k, v, cfg)), (q, k, v)
 
 
 def prefill_case(rng, num_seqs: int, prompt: int, configs: dict, quick: bool) -> dict:
@@ -165,6 +185,16 @@ def prefill_case(rng, num_seqs: int, prompt: int, configs: dict, quick: bool) ->
     sec = time_fn(xla_fn, batch.q, batch.k_pages, batch.v_pages, batch.md.block_tables, reps=3, rounds=3)
     rows["xla_dense_causal"] = {"us": sec * 1e6, "tflops": flops / sec / 1e12, "rel_err": dense_err}
     print(f"  prefill {num_seqs}x{prompt} xla_dense_causal {sec * 1e6:9.1f} us {flops / sec / 1e12:6.1f} TFLOP/s (vs gather ref {dense_err:.1e})", flush=True)
+    if not quick:
+        try:  # jax's own Mosaic GPU flash attention, on contiguous (already gathered) K/V: no paging
+            fn, b_args = bundled_flash_mgpu(batch, num_seqs, prompt, scale)
+            err = rel_err(fn(*b_args).reshape(ref.shape), ref)
+            sec = time_fn(fn, *b_args, reps=5)
+            rows["jax_bundled_mgpu_flash_contiguous"] = {"us": sec * 1e6, "tflops": flops / sec / 1e12, "rel_err": err}
+            print(f"  prefill {num_seqs}x{prompt} jax_bundled_mgpu_flash_contiguous {sec * 1e6:9.1f} us {flops / sec / 1e12:6.1f} TFLOP/s err {err:.1e}", flush=True)
+        except Exception as e:
+            rows["jax_bundled_mgpu_flash_contiguous"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"  jax_bundled_mgpu_flash_contiguous: {type(e).__name__}: {str(e)[:200]}", flush=True)
     for name, cfg in configs.items():
         try:
             ours = jax.jit(lambda q, k, v, md, cfg=cfg: ragged_attention_gpu(q, k, v, md, scale=scale, config=cfg, interpret=quick))
@@ -181,13 +211,16 @@ def prefill_case(rng, num_seqs: int, prompt: int, configs: dict, quick: bool) ->
 def decode_configs(quick: bool) -> dict:
     """The default plus its neighbours (a wider sweep of tiles, warps, stages and masking ran earlier:
     docs/BENCHMARKS.md, section 3)."""
-    if quick:
-        return {"default": GpuKernelConfig()}
     out = {"default": GpuKernelConfig()}
-    for tile, warps, stages in ((64, 2, 3), (64, 2, 4), (64, 4, 2), (128, 2, 2), (32, 2, 2)):
-        out[f"tile{tile}_w{warps}_s{stages}"] = GpuKernelConfig(
-            decode_tile_tokens=tile, decode_warps=warps, decode_stages=stages
-        )
+    if quick:
+        return out
+    out["seq_major_grid"] = GpuKernelConfig(decode_heads_inner=False)  # the grid order before 2026-11-29
+    out["triton_prefill"] = GpuKernelConfig(prefill_impl="triton")  # routing pass instead of one shared buffer
+    out["tile64_w2_s2"] = GpuKernelConfig(decode_stages=2)  # the default before 2026-11-29
+    out["tile64_w2_s3"] = GpuKernelConfig(decode_stages=3)
+    out["tile32_w2_s1"] = GpuKernelConfig(decode_tile_tokens=32)
+    out["tile128_w2_s1"] = GpuKernelConfig(decode_tile_tokens=128)
+    out["tile64_w4_s1"] = GpuKernelConfig(decode_warps=4)
     for splits in (1, 2, 4):
         out[f"splits{splits}"] = GpuKernelConfig(decode_splits=splits)
     out["v_mask_none"] = GpuKernelConfig(v_mask="none")
@@ -196,13 +229,32 @@ def decode_configs(quick: bool) -> dict:
 
 def prefill_configs(quick: bool) -> dict:
     if quick:
-        return {"default": GpuKernelConfig()}
-    out = {"default": GpuKernelConfig()}
-    for rows, tile, warps, stages in ((128, 64, 4, 3), (128, 32, 4, 2), (64, 64, 4, 2), (128, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)):
-        out[f"rows{rows}_tile{tile}_w{warps}_s{stages}"] = GpuKernelConfig(
-            prefill_rows=rows, prefill_tile_tokens=tile, prefill_warps=warps, prefill_stages=stages
+        return {"default": GpuKernelConfig(), "triton": GpuKernelConfig(prefill_impl="triton")}
+    out = {"default": GpuKernelConfig(), "triton": GpuKernelConfig(prefill_impl="triton")}
+    for bkv, stages in ((128, 2), (64, 2), (64, 3), (64, 4)):
+        out[f"mosaic_kv{bkv}_s{stages}"] = GpuKernelConfig(prefill_impl="mosaic", mosaic_block_kv=bkv, mosaic_stages=stages)
+    for rows, tile, warps, stages in ((128, 64, 4, 3), (128, 128, 8, 2)):
+        out[f"triton_rows{rows}_tile{tile}_w{warps}_s{stages}"] = GpuKernelConfig(
+            prefill_impl="triton", prefill_rows=rows, prefill_tile_tokens=tile, prefill_warps=warps, prefill_stages=stages
         )
     return out
+
+
+def _select(configs: dict, names: str | None) -> dict:
+    """Keep the configs named in a comma-separated list (all when None); "default" always stays."""
+    if not names:
+        return configs
+    keep = {"default", *names.split(",")}
+    unknown = keep - set(configs)
+    if unknown:
+        raise SystemExit(f"unknown config(s) {sorted(unknown)}; known: {sorted(configs)}")
+    return {n: c for n, c in configs.items() if n in keep}
+
+
+def _force_impl(configs: dict, impl: str | None) -> dict:
+    if impl is None:
+        return configs
+    return {n: dataclasses.replace(c, prefill_impl=impl) for n, c in configs.items()}
 
 
 def main(argv=None) -> int:
@@ -210,15 +262,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the full results as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke test)")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--decode-configs", default=None, help="comma-separated subset of the decode configs")
+    ap.add_argument("--prefill-configs", default=None, help="comma-separated subset of the prefill configs")
+    ap.add_argument("--prefill-impl", default=None, choices=("auto", "mosaic", "triton"), help="force it in every config")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
     res = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
     cases = [(64, 2048), (256, 1024)] if not args.quick else [(4, 40)]
-    res["decode"] = [decode_case(rng, s, c, decode_configs(args.quick), args.quick) for s, c in cases]
+    if not args.skip_decode:
+        dec_cfgs = _force_impl(_select(decode_configs(args.quick), args.decode_configs), args.prefill_impl)
+        res["decode"] = [decode_case(rng, s, c, dec_cfgs, args.quick) for s, c in cases]
     if not args.skip_prefill:
         s, p = (8, 2048) if not args.quick else (2, 40)
-        res["prefill"] = [prefill_case(rng, s, p, prefill_configs(args.quick), args.quick)]
+        pre_cfgs = _force_impl(_select(prefill_configs(args.quick), args.prefill_configs), args.prefill_impl)
+        res["prefill"] = [prefill_case(rng, s, p, pre_cfgs, args.quick)]
     # Ceilings last, on a warm GPU (clocks idle low before the first kernels).
     res["ceilings"] = ceilings(args.quick)
     print(f"ceilings: {res['ceilings']}", flush=True)
@@ -233,7 +292,7 @@ def print_table(res: dict) -> None:
     c = res["ceilings"]
     print(f"\n{res['device']}  jax {res['jax']}  copy {c['hbm_copy_tbps']:.2f} TB/s  matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s")
     print("| case | variant | time (us) | rate | rel err |\n|---|---|---|---|---|")
-    for case in res["decode"]:
+    for case in res.get("decode", []):
         best = _best(case["results"], "kv_tbps", prefix="jaxserve")
         for name, r in case["results"].items():
             if "error" in r or (name.startswith("jaxserve") and name not in (best, "jaxserve_pallas[default]")):
@@ -245,7 +304,7 @@ def print_table(res: dict) -> None:
     for case in res.get("prefill", []):
         best = _best(case["results"], "tflops", prefix="jaxserve")
         for name, r in case["results"].items():
-            if name in (best, "jaxserve_pallas[default]", "xla_dense_causal") and "error" not in r:
+            if name in (best, "jaxserve_pallas[default]", "jaxserve_pallas[triton]", "xla_dense_causal", "jax_bundled_mgpu_flash_contiguous") and "error" not in r:
                 print(f"| prefill {case['num_seqs']}x{case['prompt']} | {name} | {r['us']:.1f} | {r['tflops']:.1f} TFLOP/s | {r['rel_err']:.1e} |")
 
 

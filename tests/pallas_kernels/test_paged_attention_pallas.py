@@ -82,16 +82,51 @@ def test_mixed_ragged_batch(h, kh, d, dtype, p):
     np.testing.assert_array_equal(np.asarray(v_pages, np.float32), np.asarray(v_ref, np.float32))
 
 
-def test_decode_only_long_context_split():
-    """Pure decode with the context split in parts: the partial-softmax merge must be exact."""
+@pytest.mark.parametrize("splits,heads_inner", [(4, True), (3, False), (1, True)])
+def test_decode_only_long_context_split(splits, heads_inner):
+    """Pure decode with the context split in parts (the merge kernel must be exact), either grid order."""
     rng = np.random.default_rng()
     batch = make_batch(
         rng, q_lens=[1, 1, 1, 2], ctx_lens=[97, 1, 64, 130], num_heads=8, num_kv_heads=2, head_dim=64,
         block_size=8, dtype=jnp.float32, pad_seqs=1,
     )  # fmt: skip
-    cfg = GpuKernelConfig(decode_tile_tokens=16, decode_splits=4)
+    cfg = GpuKernelConfig(decode_tile_tokens=16, decode_splits=splits, decode_heads_inner=heads_inner)
     out, _, _ = _run(batch, scale=0.125, config=cfg)
     _check(batch, out, scale=0.125)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_writes_only_its_rows_into_a_given_buffer(splits):
+    """Given the prefill kernel's output buffer, the decode kernel writes its tokens' rows and no others."""
+    from jaxserve.pallas_kernels.triton_decode import decode_attention
+
+    rng = np.random.default_rng()
+    q_lens, h, kh, d = [1, 9, 3, 1], 8, 2, 64
+    batch = make_batch(
+        rng, q_lens=q_lens, ctx_lens=[40, 20, 33, 7], num_heads=h, num_kv_heads=kh, head_dim=d, block_size=8,
+        dtype=jnp.float32, pad_tokens=2,
+    )  # fmt: skip
+    t, qa = batch.q.shape[0], 4  # Gp = G = 4: up to 4 tokens per decode sequence
+    q_p = jnp.pad(batch.q.reshape(t, kh, h // kh, d), ((0, qa), (0, 0), (0, 0), (0, 0)))
+    sentinel = jnp.full((t + qa, kh, h // kh, d), 7.0, jnp.float32)
+    md = batch.md
+    fn = jax.jit(
+        functools.partial(
+            decode_attention, scale=0.125, q_per_seq=qa, tile_tokens=16, num_splits=splits, sliding_window=None,
+            v_mask="where", num_warps=2, num_stages=2, interpret=INTERPRET,
+        )
+    )  # fmt: skip
+    args = (q_p, batch.k_pages, batch.v_pages, md.query_start_loc, md.seq_lens, md.block_tables)
+    out = np.asarray(fn(*args, out=sentinel))
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(ragged_paged_attention_reference(batch.q, batch.k_pages, batch.v_pages, md, scale=0.125))
+    ref = ref.reshape(t, kh, h // kh, d)
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    decode_rows = np.zeros(t + qa, bool)
+    for a, b in zip(starts[:-1], starts[1:]):
+        decode_rows[a:b] = b - a <= qa
+    np.testing.assert_allclose(out[decode_rows], ref[decode_rows[:t]], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(out[~decode_rows], 7.0)
 
 
 @pytest.mark.parametrize("v_mask", ["none", "load"])

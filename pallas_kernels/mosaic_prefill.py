@@ -1,0 +1,417 @@
+"""Prefill/extend-path kernel for Hopper (Pallas, Mosaic GPU lowering): causal flash attention over the
+paged cache on the tensor cores' warpgroup MMA (wgmma), fed by the bulk tensor copy engine (TMA).
+
+Work items are (query block, query head) pairs; a query block is ``2 * BQ`` consecutive new tokens of
+one sequence (``query_block_schedule``). The grid is persistent, one CTA per SM, each CTA walking items
+``cta, cta + num_ctas, ...`` longest block first, heads of one block side by side (the G heads that
+share a KV head read its pages while they are in L2). A step with no prefill work (pure decode) costs one
+wave of CTAs that find nothing to do. Each CTA runs three warpgroups:
+- warpgroups 0 and 1 each own BQ = 64 query rows (the wgmma M tile): S = Q K^T and O += P V on wgmma,
+  the online softmax in registers;
+- warpgroup 2 only issues copies: for KV tile t it gathers the tile's pages (one TMA copy of [P, D] per
+  page, straight from the block table) into ring slot t % stages, once both compute warpgroups have
+  released that slot. The ring runs on across items.
+The KV loop of each compute warpgroup ends at its last row's position (causal); tiles before its first
+row skip the mask. Output rows are stored with a short ladder of TMA stores (64, 32, ..., 1 rows) so that
+exactly the block's real tokens are written: the next rows belong to another sequence. The padding
+tokens past ``query_start_loc[-1]`` are one more pseudo-sequence with no context, stored as zeros, so the
+engine's output needs no separate masking pass; decode tokens' rows are left to the decode kernel.
+
+Values in cache slots past a sequence's end (a reused page's leftovers, or pages a tile reads past the
+table's end) get a zero probability; V rows there are zeroed in shared memory before the P V product, so
+a stale NaN cannot turn 0 * NaN into NaN (K needs nothing: masked logits are replaced).
+
+Written in Mosaic GPU's lane-level semantics (explicit register layouts), which jax 0.10 and 0.11 both
+lower. jax's Mosaic GPU API is young and changes between releases: everything here is imported lazily,
+and ``unsupported_reason`` says when the caller must use the Triton kernel instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxserve.pallas_kernels.triton_prefill import query_block_schedule
+
+BQ = 64  # query rows per compute warpgroup: the wgmma M tile
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefillConfig:
+    block_kv: int = 128  # KV tokens per pipeline step (a multiple of 64)
+    stages: int = 2  # KV ring slots in shared memory
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+_SMEM_BYTES = 232448  # the H100/H200 limit per CTA, as Mosaic GPU reports it
+
+
+def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
+    """Shared memory of one CTA: the K and V rings, Q and O of both compute warpgroups, some scratch."""
+    return (2 * stages * block_kv + 4 * BQ) * head_dim * itemsize + 4096
+
+
+def unsupported_reason(
+    *, head_dim: int, dtype, page_size: int, block_kv: int, sliding_window: int | None, interpret: bool,
+    stages: int = 2,
+) -> str | None:
+    """Why this kernel cannot serve a call (the caller then uses the Triton kernel), or None."""
+    if sliding_window is not None:
+        return "sliding window"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name} (wgmma path takes bf16/f16)"
+    if head_dim not in (64, 128):
+        return f"head_dim {head_dim} (built and tested for 64 and 128)"
+    if block_kv % 64:
+        return f"block_kv {block_kv} (needs a multiple of 64)"
+    if smem_bytes(head_dim, block_kv, stages) > _SMEM_BYTES:
+        return f"block_kv {block_kv} x {stages} stages at head_dim {head_dim} (over the shared memory)"
+    whole_pages = page_size <= block_kv and block_kv % page_size == 0
+    page_slices = page_size > block_kv and page_size % block_kv == 0
+    if page_size % 8 or not (whole_pages or page_slices):
+        return f"page size {page_size} with block_kv {block_kv}"
+    try:
+        plgpu = _plgpu()
+        _ = (plgpu.kernel, plgpu.wgmma, plgpu.copy_gmem_to_smem, plgpu.Barrier, plgpu.LoweringSemantics.Lane)
+    except (ImportError, AttributeError) as e:
+        return f"Mosaic GPU Pallas unavailable ({e})"
+    if interpret:
+        try:
+            _interpret_params()
+        except ImportError as e:
+            return f"no Mosaic GPU interpret mode in this jax ({e})"
+        return None
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" or getattr(dev, "compute_capability", None) != "9.0":
+        return f"device {getattr(dev, 'device_kind', dev.platform)} (wgmma needs compute capability 9.0)"
+    return None
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    # TMA fills rows past an array's end; the interpreter, told so, returns NaN there (only unstored rows see it).
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized")
+
+
+def _kernel(
+    sched_ref,  # [NB, 2] int32: (sequence, first query offset) of each query block, used ones first
+    n_blocks_ref,  # [1] int32: how many blocks are used
+    qsl_ref,  # [S+2] int32: query_start_loc plus T (sequence S: the padding tokens, written as zeros)
+    lens_ref,  # [S+1] int32: seq_lens plus 0
+    tables_ref,  # [S+1, Bp] int32
+    q_ref,  # [T, H, D]
+    k_ref,  # [N, P, K, D]
+    v_ref,  # [N, P, K, D]
+    o_ref,  # out [T, H, D]
+    q_smem,  # [2, BQ, D] (plain rows: a TMA copy from any token)
+    k_smem,  # [stages, BKV, D]
+    v_smem,  # [stages, BKV, D]
+    o_smem,  # [2, BQ, D] (plain rows, so that the store ladder can start at any row)
+    q_bar,  # 2 barriers
+    k_full,  # stages barriers, one arrival per page copy of a tile
+    v_full,
+    k_free,  # stages barriers, one arrival per compute warpgroup
+    v_free,
+    *,
+    scale: float,
+    num_heads: int,
+    group: int,
+    block_kv: int,
+    stages: int,
+    num_ctas: int,
+    interpret: bool,
+):
+    plgpu = _plgpu()
+    head_dim = q_ref.shape[-1]
+    page_size = k_ref.shape[1]
+    dtype = q_ref.dtype
+    wg = lax.axis_index("wg")
+    n_blocks = n_blocks_ref[0]
+    n_items = n_blocks * num_heads  # work items: (query block, query head), heads of a block adjacent
+
+    def item_info(i):
+        """Scalars of work item i; blocks run longest first (the schedule lists each sequence's blocks in
+        order, so later blocks, with more causal work, come last)."""
+        blk = n_blocks - 1 - lax.div(i, jnp.int32(num_heads))
+        h = lax.rem(i, jnp.int32(num_heads))
+        s = sched_ref[blk, 0]
+        q_off = sched_ref[blk, 1]
+        q_start = qsl_ref[s]
+        q_len = qsl_ref[s + 1] - q_start
+        seq_len = lens_ref[s]
+        n_valid = jnp.clip(q_len - q_off, 0, 2 * BQ)  # real tokens in this block
+        pos0 = seq_len - q_len + q_off  # position of the block's first token
+        # KV tiles up to the block's last causal position (none for the padding pseudo-sequence).
+        n_steps = jnp.maximum(pl.cdiv(jnp.minimum(seq_len, pos0 + n_valid), block_kv), 0)
+        return dict(h=h, s=s, tok0=q_start + q_off, seq_len=seq_len, n_valid=n_valid, pos0=pos0, n_steps=n_steps)
+
+    # Each CTA takes items cta, cta + num_ctas, ...; the KV ring runs on across items, so every warpgroup
+    # counts global steps (`g0`: the first step of the item) to keep slots and barrier phases in step.
+    cta = lax.axis_index("c")
+
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        # Register layouts matter to the compiler only; the interpreter takes plain arrays.
+        wgmma_layout = plgpu.Layout.WGMMA
+        cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+
+        def iota(shape, dim):
+            if interpret:
+                return lax.broadcasted_iota(jnp.int32, shape, dim)
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+
+        @pl.loop(cta, n_items, step=num_ctas, init_carry=jnp.int32(0))
+        def _item(i, g0):
+            it = item_info(i)
+            h, seq_len, n_steps = it["h"], it["seq_len"], it["n_steps"]
+            rows = jnp.clip(it["n_valid"] - wg * BQ, 0, BQ)  # real rows of this warpgroup
+            wpos0 = it["pos0"] + wg * BQ
+            steps = jnp.where(rows > 0, jnp.maximum(pl.cdiv(jnp.minimum(seq_len, wpos0 + rows), block_kv), 0), 0)
+            full = jnp.clip((wpos0 + 1) // block_kv, 0, steps)  # tiles every row sees whole: no mask
+            # The tile holding the sequence's end, when that end is not tile-aligned: V rows past it are zeroed.
+            ragged_tile = jnp.where(seq_len % block_kv != 0, seq_len // block_kv, -1)
+            qs = q_smem.at[wg]
+            row0 = it["tok0"] + wg * BQ  # flat token of this warpgroup's first row
+
+            @pl.when(rows > 0)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BQ), h], qs, q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
+
+            # Q goes to registers (the wgmma A operand): its rows start at any token, and a tiled
+            # (swizzled) TMA copy into shared memory is only right from an 8-row-aligned start.
+            q_regs = qs[...] if interpret else plgpu.load(qs, (), layout=wgmma_layout, optimized=False)
+
+            acc = cast(jnp.zeros((BQ, head_dim), jnp.float32), wgmma_layout)
+            m = cast(jnp.full((BQ,), -jnp.inf, jnp.float32), wgmma_layout.reduce(1))
+            l = cast(jnp.zeros((BQ,), jnp.float32), wgmma_layout.reduce(1))
+
+            def step(t, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(g0 + t, jnp.int32(stages))
+                plgpu.barrier_wait(k_full.at[slot])
+                kt = k_smem.at[slot]
+                if interpret:  # the interpreter's wgmma takes no transposed operand
+                    logits = jnp.dot(q_regs, kt[...].T, preferred_element_type=jnp.float32)
+                else:
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_regs, kt.transpose((1, 0)))
+                        return acc_ref[...]
+
+                    logits = pl.run_scoped(qk, plgpu.ACC((BQ, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                logits = logits * (scale * _LOG2E)  # base-2 logits: exp2 below
+                if masked:
+                    r, c = iota((BQ, block_kv), 0), iota((BQ, block_kv), 1)
+                    logits = jnp.where(wpos0 + r >= t * block_kv + c, logits, -jnp.inf)
+                m_next = jnp.maximum(m, logits.max(axis=1))
+                alpha = jnp.exp2(m - m_next)
+                p = jnp.exp2(logits - lax.broadcast_in_dim(m_next, logits.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(v_full.at[slot])
+                vt = v_smem.at[slot]
+                if masked:
+
+                    @pl.when(t == ragged_tile)
+                    def _():
+                        # Both compute warpgroups may do this on the same slot: they write identical zeros.
+                        kv_row = iota((block_kv, head_dim), 0)
+                        vt[...] = jnp.where(t * block_kv + kv_row < seq_len, vt[...], 0).astype(vt.dtype)
+                        plgpu.commit_smem()
+
+                p16 = p.astype(dtype)
+                if interpret:
+                    acc = acc + jnp.dot(p16, vt[...], preferred_element_type=jnp.float32)
+                else:
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, vt)
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_next, l
+
+            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+
+            # Release the tiles this warpgroup does not need (the other one's rows reach further). Waiting
+            # for each load first keeps one arrival per phase: the copy into a slot waits for both releases.
+            @pl.loop(steps, n_steps)
+            def _(t):
+                slot = lax.rem(g0 + t, jnp.int32(stages))
+                plgpu.barrier_wait(k_full.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+
+            @pl.when(rows > 0)
+            def _():
+                # l == 0 only for padding tokens (no context): they come out as zeros.
+                out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
+                os_ = o_smem.at[wg]
+                os_[...] = out.astype(dtype)
+                plgpu.commit_smem()
+                # Store exactly `rows` rows: one TMA copy per set bit of `rows`, largest first.
+                start = 0
+                size = BQ
+                while size >= 1:
+
+                    @pl.when((rows & size) != 0)
+                    def _(start=start, size=size):
+                        plgpu.copy_smem_to_gmem(os_.at[pl.ds(start, size)], o_ref.at[pl.ds(row0 + start, size), h])
+
+                    start = start + (rows & size)
+                    size //= 2
+                # o_smem is rewritten by the next item: its copies must have read it.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            return g0 + n_steps
+
+        plgpu.wait_smem_to_gmem(0)  # every output row written before the CTA ends
+
+    @pl.when(wg == 2)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        # Every copy starts at a multiple of 8 rows, in its page and in the tiled ring slot (whole pages of a
+        # multiple of 8 rows, or page slices at multiples of block_kv): a tiled TMA copy starting elsewhere
+        # came back wrong on the H200 (see Q above).
+        def copy_tile(pages_ref, smem, bar, s, kvh, t):
+            if page_size <= block_kv:  # several whole pages per tile
+                per = block_kv // page_size
+                for j in range(per):
+                    page = tables_ref[s, t * per + j]
+                    dst = smem.at[pl.ds(j * page_size, page_size)]
+                    plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kvh, :], dst, bar)
+            else:  # a slice of one page
+                per_page = page_size // block_kv
+                page = tables_ref[s, t // per_page]
+                off = lax.rem(t, jnp.int32(per_page)) * block_kv
+                plgpu.copy_gmem_to_smem(pages_ref.at[page, pl.ds(off, block_kv), kvh, :], smem, bar)
+
+        @pl.loop(cta, n_items, step=num_ctas, init_carry=jnp.int32(0))
+        def g_end(i, g0):
+            it = item_info(i)
+            s, kvh = it["s"], lax.div(it["h"], jnp.int32(group))
+
+            @pl.loop(0, it["n_steps"])
+            def _(t):
+                g = g0 + t
+                slot = lax.rem(g, jnp.int32(stages))
+
+                @pl.when(g >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                copy_tile(k_ref, k_smem.at[slot], k_full.at[slot], s, kvh, t)
+
+                @pl.when(g >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                copy_tile(v_ref, v_smem.at[slot], v_full.at[slot], s, kvh, t)
+
+            return g0 + it["n_steps"]
+
+        # Wait for the last releases too, so that every phase of the free barriers is observed before the
+        # program ends (the hardware would not mind; the interpreter checks it).
+        @pl.loop(jnp.maximum(g_end - stages, 0), g_end)
+        def _(g):
+            slot = lax.rem(g, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+def _num_sms(interpret: bool) -> int:
+    if interpret:
+        return 2  # a few CTAs, each with several items: exercises the persistent loop, runs fast
+    return int(getattr(jax.devices()[0], "core_count", None) or 132)
+
+
+def prefill_attention_mosaic(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [N, P, K, D]
+    v_pages: jax.Array,  # [N, P, K, D]
+    query_start_loc: jax.Array,  # [S+1]
+    seq_lens: jax.Array,  # [S]
+    block_tables: jax.Array,  # [S, B]
+    is_prefill_seq: jax.Array,  # [S] bool
+    *,
+    scale: float,
+    max_prefill_seqs: int | None = None,
+    config: MosaicPrefillConfig = MosaicPrefillConfig(),
+    interpret: bool = False,
+) -> jax.Array:  # [T, H, D]: rows of prefill tokens, zeros for padding tokens, the rest unwritten
+    """Causal attention of the prefill sequences' tokens; padding tokens (past query_start_loc[-1]) get zeros."""
+    plgpu = _plgpu()
+    t, h, d = q.shape
+    _, page_size, kh, _ = k_pages.shape
+    s_count, width = block_tables.shape
+    bkv, stages = config.block_kv, config.stages
+    block_q = 2 * BQ
+    n_pf = s_count if max_prefill_seqs is None else min(s_count, max_prefill_seqs)
+    # The padding tokens [query_start_loc[-1], T) form one more "sequence" with no context: zeros.
+    qsl = jnp.concatenate([query_start_loc, jnp.full((1,), t, query_start_loc.dtype)])  # [S+2]
+    lens = jnp.concatenate([seq_lens, jnp.zeros((1,), seq_lens.dtype)])  # [S+1]
+    mine = jnp.concatenate([is_prefill_seq, jnp.ones((1,), bool)])  # [S+1]
+    num_blocks = pl.cdiv(t, block_q) + n_pf + 1
+    blk_seq, blk_off = query_block_schedule(qsl, mine, block_q=block_q, num_blocks=num_blocks)
+    q_lens = qsl[1:] - qsl[:-1]
+    n_used = jnp.sum(jnp.where(mine, pl.cdiv(q_lens, block_q), 0)).astype(jnp.int32).reshape(1)
+    sched = jnp.stack([blk_seq, blk_off], axis=1)  # [NB, 2]
+    # Pad the table so that every tile's page ids exist; pages past seq_len are read and then masked.
+    padded_width = max(width, pl.cdiv(pl.cdiv(width * page_size, bkv) * bkv, page_size))
+    tables = jnp.pad(block_tables, ((0, 1), (0, padded_width - width)))  # [S+1, Bp]
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    copies_per_tile = max(1, bkv // page_size)
+    num_ctas = _num_sms(interpret)
+    kernel = functools.partial(
+        _kernel,
+        scale=scale,
+        num_heads=h,
+        group=h // kh,
+        block_kv=bkv,
+        stages=stages,
+        num_ctas=num_ctas,
+        interpret=interpret,
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((t, h, d), q.dtype),
+        scratch_types=[
+            plgpu.SMEM((2, BQ, d), q.dtype),
+            plgpu.SMEM((stages, bkv, d), q.dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bkv, d), q.dtype, transforms=swizzled),
+            plgpu.SMEM((2, BQ, d), q.dtype),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ],
+        grid=(num_ctas,),
+        grid_names=("c",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_interpret_params() if interpret else None,
+    )(sched, n_used, qsl, lens, tables, q, k_pages, v_pages)
