@@ -8,9 +8,11 @@ share a KV head read its pages while they are in L2). A step with no prefill wor
 wave of CTAs that find nothing to do. Each CTA runs three warpgroups:
 - warpgroups 0 and 1 each own BQ = 64 query rows (the wgmma M tile): S = Q K^T and O += P V on wgmma,
   the online softmax in registers;
-- warpgroup 2 only issues copies: for KV tile t it gathers the tile's pages (one TMA copy of [P, D] per
-  page, straight from the block table) into ring slot t % stages, once both compute warpgroups have
-  released that slot. The ring runs on across items.
+- warpgroup 2 only issues copies (``mosaic_kv_producer``): for KV tile t it gathers the tile's pages (one
+  TMA copy of [P, D] per page, straight from the block table) into ring slot t % stages, once both compute
+  warpgroups have released that slot. The ring runs on across items.
+``MosaicPrefillConfig.pingpong`` adds FlashAttention-3's turn barrier between the compute warpgroups (one's
+softmax under the other's wgmma); on the H200 it measured 4% slower than without (2026-11-29), so it is off.
 The KV loop of each compute warpgroup ends at its last row's position (causal); tiles before its first
 row skip the mask. Output rows are stored with a short ladder of TMA stores (64, 32, ..., 1 rows) so that
 exactly the block's real tokens are written: the next rows belong to another sequence. The padding
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas_kernels import mosaic_kv_producer
 from jaxserve.pallas_kernels.triton_prefill import query_block_schedule
 
 BQ = 64  # query rows per compute warpgroup: the wgmma M tile
@@ -47,6 +50,11 @@ _LOG2E = math.log2(math.e)
 class MosaicPrefillConfig:
     block_kv: int = 128  # KV tokens per pipeline step (a multiple of 64)
     stages: int = 2  # KV ring slots in shared memory
+    # Ping-pong: a barrier makes the two compute warpgroups take turns on the tensor cores, so that one
+    # runs its softmax while the other's wgmma runs (FlashAttention-3's schedule).
+    pingpong: bool = False
+    # Q as the wgmma A operand from (swizzled) shared memory instead of registers: 32 registers fewer.
+    q_smem: bool = False
 
 
 def _plgpu():
@@ -58,14 +66,15 @@ def _plgpu():
 _SMEM_BYTES = 232448  # the H100/H200 limit per CTA, as Mosaic GPU reports it
 
 
-def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
-    """Shared memory of one CTA: the K and V rings, Q and O of both compute warpgroups, some scratch."""
-    return (2 * stages * block_kv + 4 * BQ) * head_dim * itemsize + 4096
+def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2, q_smem: bool = False) -> int:
+    """Shared memory of one CTA: the K and V rings, a plain Q/O buffer of both compute warpgroups (and a
+    swizzled Q buffer with ``q_smem``), a little for the barriers."""
+    return (2 * stages * block_kv + 2 * BQ * (1 + q_smem)) * head_dim * itemsize + 1024
 
 
 def unsupported_reason(
     *, head_dim: int, dtype, page_size: int, block_kv: int, sliding_window: int | None, interpret: bool,
-    stages: int = 2,
+    stages: int = 2, q_smem: bool = False,
 ) -> str | None:
     """Why this kernel cannot serve a call (the caller then uses the Triton kernel), or None."""
     if sliding_window is not None:
@@ -76,7 +85,7 @@ def unsupported_reason(
         return f"head_dim {head_dim} (built and tested for 64 and 128)"
     if block_kv % 64:
         return f"block_kv {block_kv} (needs a multiple of 64)"
-    if smem_bytes(head_dim, block_kv, stages) > _SMEM_BYTES:
+    if smem_bytes(head_dim, block_kv, stages, q_smem=q_smem) > _SMEM_BYTES:
         return f"block_kv {block_kv} x {stages} stages at head_dim {head_dim} (over the shared memory)"
     whole_pages = page_size <= block_kv and block_kv % page_size == 0
     page_slices = page_size > block_kv and page_size % block_kv == 0
@@ -113,18 +122,19 @@ def _kernel(
     lens_ref,  # [S+1] int32: seq_lens plus 0
     tables_ref,  # [S+1, Bp] int32
     q_ref,  # [T, H, D]
-    k_ref,  # [N, P, K, D]
-    v_ref,  # [N, P, K, D]
+    k_ref,  # [N * P, K, D]: the pages as one run of token rows
+    v_ref,  # [N * P, K, D]
     o_ref,  # out [T, H, D]
-    q_smem,  # [2, BQ, D] (plain rows: a TMA copy from any token)
+    qo_smem,  # [2, BQ, D] plain rows: Q's TMA copy from any token, later O for the store ladder
+    qw_smem,  # [2, BQ, D] swizzled: Q as the wgmma A operand (config.q_smem)
     k_smem,  # [stages, BKV, D]
     v_smem,  # [stages, BKV, D]
-    o_smem,  # [2, BQ, D] (plain rows, so that the store ladder can start at any row)
     q_bar,  # 2 barriers
     k_full,  # stages barriers, one arrival per page copy of a tile
     v_full,
     k_free,  # stages barriers, one arrival per compute warpgroup
     v_free,
+    turn,  # 1 barrier, one arrival per compute warpgroup: the ping-pong turns
     *,
     scale: float,
     num_heads: int,
@@ -132,11 +142,13 @@ def _kernel(
     block_kv: int,
     stages: int,
     num_ctas: int,
+    pingpong: bool,
+    q_smem: bool,
+    page_size: int,
     interpret: bool,
 ):
     plgpu = _plgpu()
     head_dim = q_ref.shape[-1]
-    page_size = k_ref.shape[1]
     dtype = q_ref.dtype
     wg = lax.axis_index("wg")
     n_blocks = n_blocks_ref[0]
@@ -162,6 +174,10 @@ def _kernel(
     # counts global steps (`g0`: the first step of the item) to keep slots and barrier phases in step.
     cta = lax.axis_index("c")
 
+    def take_turn():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
     @pl.when(wg < 2)
     def _compute():
         if not interpret:
@@ -175,6 +191,12 @@ def _kernel(
                 return lax.broadcasted_iota(jnp.int32, shape, dim)
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
 
+        # Ping-pong: every KV step of a warpgroup passes the turn barrier twice (after issuing Q K^T, and
+        # between softmax and P V), released tiles included. Warpgroup 1 starts one turn behind, so each
+        # warpgroup's tensor-core work falls in the other's softmax. Warpgroup 0 evens the count at the end.
+        if pingpong:
+            pl.when(wg == 1)(take_turn)
+
         @pl.loop(cta, n_items, step=num_ctas, init_carry=jnp.int32(0))
         def _item(i, g0):
             it = item_info(i)
@@ -185,7 +207,7 @@ def _kernel(
             full = jnp.clip((wpos0 + 1) // block_kv, 0, steps)  # tiles every row sees whole: no mask
             # The tile holding the sequence's end, when that end is not tile-aligned: V rows past it are zeroed.
             ragged_tile = jnp.where(seq_len % block_kv != 0, seq_len // block_kv, -1)
-            qs = q_smem.at[wg]
+            qs = qo_smem.at[wg]
             row0 = it["tok0"] + wg * BQ  # flat token of this warpgroup's first row
 
             @pl.when(rows > 0)
@@ -193,9 +215,15 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BQ), h], qs, q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
 
-            # Q goes to registers (the wgmma A operand): its rows start at any token, and a tiled
-            # (swizzled) TMA copy into shared memory is only right from an 8-row-aligned start.
+            # Q rows start at any token, and a tiled (swizzled) TMA copy into shared memory is only right
+            # from an 8-row-aligned start: Q lands in plain rows and goes to registers from there.
             q_regs = qs[...] if interpret else plgpu.load(qs, (), layout=wgmma_layout, optimized=False)
+            if q_smem:  # registers -> swizzled shared memory, the A operand of every Q K^T of the item
+                q_op = qw_smem.at[wg]
+                q_op[...] = q_regs
+                plgpu.commit_smem()
+            else:
+                q_op = q_regs
 
             acc = cast(jnp.zeros((BQ, head_dim), jnp.float32), wgmma_layout)
             m = cast(jnp.full((BQ,), -jnp.inf, jnp.float32), wgmma_layout.reduce(1))
@@ -207,25 +235,36 @@ def _kernel(
                 plgpu.barrier_wait(k_full.at[slot])
                 kt = k_smem.at[slot]
                 if interpret:  # the interpreter's wgmma takes no transposed operand
-                    logits = jnp.dot(q_regs, kt[...].T, preferred_element_type=jnp.float32)
+                    logits = jnp.dot(q_op[...] if q_smem else q_op, kt[...].T, preferred_element_type=jnp.float32)
+                    if pingpong:
+                        take_turn()
                 else:
 
                     def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_regs, kt.transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, q_op, kt.transpose((1, 0)))
+                        if pingpong:
+                            take_turn()  # the other warpgroup's P V is issued: its softmax now overlaps ours
                         return acc_ref[...]
 
                     logits = pl.run_scoped(qk, plgpu.ACC((BQ, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                logits = logits * (scale * _LOG2E)  # base-2 logits: exp2 below
                 if masked:
                     r, c = iota((BQ, block_kv), 0), iota((BQ, block_kv), 1)
                     logits = jnp.where(wpos0 + r >= t * block_kv + c, logits, -jnp.inf)
-                m_next = jnp.maximum(m, logits.max(axis=1))
+                # m is kept in base-2 units (scale * log2 e applied): the exponent is one FMA per logit.
+                m_next = jnp.maximum(m, logits.max(axis=1) * (scale * _LOG2E))
                 alpha = jnp.exp2(m - m_next)
-                p = jnp.exp2(logits - lax.broadcast_in_dim(m_next, logits.shape, [0]))
+                p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_next, logits.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                if pingpong:
+                    if not interpret:  # finish the softmax before handing over the tensor cores
+                        acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+                    plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_full.at[slot])
+                if pingpong:
+                    plgpu.barrier_wait(turn)
                 vt = v_smem.at[slot]
                 if masked:
 
@@ -236,7 +275,6 @@ def _kernel(
                         vt[...] = jnp.where(t * block_kv + kv_row < seq_len, vt[...], 0).astype(vt.dtype)
                         plgpu.commit_smem()
 
-                p16 = p.astype(dtype)
                 if interpret:
                     acc = acc + jnp.dot(p16, vt[...], preferred_element_type=jnp.float32)
                 else:
@@ -260,13 +298,15 @@ def _kernel(
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
+                if pingpong:
+                    take_turn()
+                    take_turn()
 
             @pl.when(rows > 0)
             def _():
                 # l == 0 only for padding tokens (no context): they come out as zeros.
                 out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
-                os_ = o_smem.at[wg]
-                os_[...] = out.astype(dtype)
+                qs[...] = out.astype(dtype)
                 plgpu.commit_smem()
                 # Store exactly `rows` rows: one TMA copy per set bit of `rows`, largest first.
                 start = 0
@@ -275,69 +315,27 @@ def _kernel(
 
                     @pl.when((rows & size) != 0)
                     def _(start=start, size=size):
-                        plgpu.copy_smem_to_gmem(os_.at[pl.ds(start, size)], o_ref.at[pl.ds(row0 + start, size), h])
+                        plgpu.copy_smem_to_gmem(qs.at[pl.ds(start, size)], o_ref.at[pl.ds(row0 + start, size), h])
 
                     start = start + (rows & size)
                     size //= 2
-                # o_smem is rewritten by the next item: its copies must have read it.
+                # The buffer takes the next item's Q: these copies must have read it.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             return g0 + n_steps
 
+        if pingpong:
+            pl.when(wg == 0)(take_turn)
         plgpu.wait_smem_to_gmem(0)  # every output row written before the CTA ends
 
     @pl.when(wg == 2)
     def _memory():
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
-
-        # Every copy starts at a multiple of 8 rows, in its page and in the tiled ring slot (whole pages of a
-        # multiple of 8 rows, or page slices at multiples of block_kv): a tiled TMA copy starting elsewhere
-        # came back wrong on the H200 (see Q above).
-        def copy_tile(pages_ref, smem, bar, s, kvh, t):
-            if page_size <= block_kv:  # several whole pages per tile
-                per = block_kv // page_size
-                for j in range(per):
-                    page = tables_ref[s, t * per + j]
-                    dst = smem.at[pl.ds(j * page_size, page_size)]
-                    plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kvh, :], dst, bar)
-            else:  # a slice of one page
-                per_page = page_size // block_kv
-                page = tables_ref[s, t // per_page]
-                off = lax.rem(t, jnp.int32(per_page)) * block_kv
-                plgpu.copy_gmem_to_smem(pages_ref.at[page, pl.ds(off, block_kv), kvh, :], smem, bar)
-
-        @pl.loop(cta, n_items, step=num_ctas, init_carry=jnp.int32(0))
-        def g_end(i, g0):
-            it = item_info(i)
-            s, kvh = it["s"], lax.div(it["h"], jnp.int32(group))
-
-            @pl.loop(0, it["n_steps"])
-            def _(t):
-                g = g0 + t
-                slot = lax.rem(g, jnp.int32(stages))
-
-                @pl.when(g >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-
-                copy_tile(k_ref, k_smem.at[slot], k_full.at[slot], s, kvh, t)
-
-                @pl.when(g >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-
-                copy_tile(v_ref, v_smem.at[slot], v_full.at[slot], s, kvh, t)
-
-            return g0 + it["n_steps"]
-
-        # Wait for the last releases too, so that every phase of the free barriers is observed before the
-        # program ends (the hardware would not mind; the interpreter checks it).
-        @pl.loop(jnp.maximum(g_end - stages, 0), g_end)
-        def _(g):
-            slot = lax.rem(g, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+        mosaic_kv_producer.produce_kv(
+            item_info, n_items, cta, num_ctas, tables_ref, (k_ref, v_ref), (k_smem, v_smem), (k_full, v_full),
+            (k_free, v_free), group=group, block_kv=block_kv, page_size=page_size, stages=stages,
+        )  # fmt: skip
 
 
 def _num_sms(interpret: bool) -> int:
@@ -392,6 +390,9 @@ def prefill_attention_mosaic(
         block_kv=bkv,
         stages=stages,
         num_ctas=num_ctas,
+        pingpong=config.pingpong,
+        q_smem=config.q_smem,
+        page_size=page_size,
         interpret=interpret,
     )
     return plgpu.kernel(
@@ -399,14 +400,15 @@ def prefill_attention_mosaic(
         out_type=jax.ShapeDtypeStruct((t, h, d), q.dtype),
         scratch_types=[
             plgpu.SMEM((2, BQ, d), q.dtype),
+            plgpu.SMEM((2, BQ, d), q.dtype, transforms=swizzled) if config.q_smem else None,
             plgpu.SMEM((stages, bkv, d), q.dtype, transforms=swizzled),
             plgpu.SMEM((stages, bkv, d), q.dtype, transforms=swizzled),
-            plgpu.SMEM((2, BQ, d), q.dtype),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=stages),
             plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
         ],
         grid=(num_ctas,),
         grid_names=("c",),
@@ -414,4 +416,4 @@ def prefill_attention_mosaic(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interpret_params() if interpret else None,
-    )(sched, n_used, qsl, lens, tables, q, k_pages, v_pages)
+    )(sched, n_used, qsl, lens, tables, q, k_pages.reshape(-1, kh, d), v_pages.reshape(-1, kh, d))

@@ -47,6 +47,8 @@ class GpuKernelConfig:
     prefill_impl: str = "auto"
     mosaic_block_kv: int = 128  # KV tokens per Mosaic prefill pipeline step
     mosaic_stages: int = 2
+    mosaic_pingpong: bool = False  # the two compute warpgroups take turns on the tensor cores
+    mosaic_q_smem: bool = False  # Q as the wgmma A operand from shared memory instead of registers
     prefill_rows: int = 128  # Triton prefill: query rows (tokens x heads of a group) per program
     prefill_tile_tokens: int = 64
     prefill_warps: int = 4
@@ -74,7 +76,7 @@ def _use_mosaic_prefill(cfg: GpuKernelConfig, q, page_size: int, sliding_window,
         return False
     reason = mosaic_prefill.unsupported_reason(
         head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size, block_kv=cfg.mosaic_block_kv,
-        stages=cfg.mosaic_stages, sliding_window=sliding_window, interpret=interpret,
+        stages=cfg.mosaic_stages, q_smem=cfg.mosaic_q_smem, sliding_window=sliding_window, interpret=interpret,
     )  # fmt: skip
     if reason is not None and cfg.prefill_impl == "mosaic":
         raise ValueError(f"prefill_impl='mosaic' cannot run here: {reason}; use prefill_impl='auto' or 'triton'")
@@ -154,7 +156,9 @@ def ragged_attention_gpu(
     max_prefill_seqs = t // (q_per_seq + 1)  # a prefill sequence has more than q_per_seq tokens
 
     if use_mosaic:
-        mcfg = mosaic_prefill.MosaicPrefillConfig(block_kv=cfg.mosaic_block_kv, stages=cfg.mosaic_stages)
+        mcfg = mosaic_prefill.MosaicPrefillConfig(
+            block_kv=cfg.mosaic_block_kv, stages=cfg.mosaic_stages, pingpong=cfg.mosaic_pingpong, q_smem=cfg.mosaic_q_smem,
+        )
         pre = mosaic_prefill.prefill_attention_mosaic(
             q, k_pages, v_pages, qsl, md.seq_lens, md.block_tables, ~is_decode_seq,
             scale=scale, max_prefill_seqs=max_prefill_seqs, config=mcfg, interpret=interpret,

@@ -233,6 +233,16 @@ def prefill_configs(quick: bool) -> dict:
     out = {"default": GpuKernelConfig(), "triton": GpuKernelConfig(prefill_impl="triton")}
     for bkv, stages in ((128, 2), (64, 2), (64, 3), (64, 4)):
         out[f"mosaic_kv{bkv}_s{stages}"] = GpuKernelConfig(prefill_impl="mosaic", mosaic_block_kv=bkv, mosaic_stages=stages)
+    # Ping-pong schedule between the compute warpgroups, Q from registers or shared memory.
+    for pp, qs in ((True, False), (True, True), (False, True)):
+        name = "mosaic" + ("_pingpong" if pp else "") + ("_qsmem" if qs else "")
+        out[name] = GpuKernelConfig(prefill_impl="mosaic", mosaic_pingpong=pp, mosaic_q_smem=qs)
+    out["mosaic_pingpong_qsmem_kv64_s3"] = GpuKernelConfig(
+        prefill_impl="mosaic", mosaic_pingpong=True, mosaic_q_smem=True, mosaic_block_kv=64, mosaic_stages=3
+    )
+    # Three 128-token KV slots (Q from registers; Q and O share one buffer, so this fits since 2026-11-29).
+    out["mosaic_kv128_s3"] = GpuKernelConfig(prefill_impl="mosaic", mosaic_stages=3)
+    out["mosaic_pingpong_kv128_s3"] = GpuKernelConfig(prefill_impl="mosaic", mosaic_pingpong=True, mosaic_stages=3)
     for rows, tile, warps, stages in ((128, 64, 4, 3), (128, 128, 8, 2)):
         out[f"triton_rows{rows}_tile{tile}_w{warps}_s{stages}"] = GpuKernelConfig(
             prefill_impl="triton", prefill_rows=rows, prefill_tile_tokens=tile, prefill_warps=warps, prefill_stages=stages

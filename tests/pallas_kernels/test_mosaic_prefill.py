@@ -37,12 +37,14 @@ def test_unsupported_shapes_fall_back():
     assert _skip_reason(sliding_window=8) is not None
     assert _skip_reason(head_dim=96) is not None
     assert _skip_reason(page_size=12) is not None
-    assert _skip_reason(head_dim=128, block_kv=128, stages=3) is not None  # over the shared memory
+    assert _skip_reason(head_dim=128, block_kv=128, stages=4) is not None  # over the shared memory
+    assert _skip_reason(head_dim=128, block_kv=128, stages=3, q_smem=True) is not None
     assert _skip_reason(head_dim=128, block_kv=128, stages=2) == _skip_reason()
 
 
 @pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
-def test_mosaic_prefill_matches_reference():
+@pytest.mark.parametrize("pingpong,q_smem,stages", [(False, False, 2), (True, False, 3), (True, True, 2)])
+def test_mosaic_prefill_matches_reference(pingpong, q_smem, stages):
     rng = np.random.default_rng()
     q_lens = [1, 133, 6, 2, 70]
     ctx_lens = [9, 150, 6, 40, 300]
@@ -50,7 +52,9 @@ def test_mosaic_prefill_matches_reference():
         rng, q_lens=q_lens, ctx_lens=ctx_lens, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
         dtype=jnp.bfloat16, pad_tokens=3, stale_value=float("nan"),
     )  # fmt: skip
-    cfg = GpuKernelConfig(prefill_impl="mosaic", mosaic_block_kv=64, mosaic_stages=2)
+    cfg = GpuKernelConfig(
+        prefill_impl="mosaic", mosaic_block_kv=64, mosaic_stages=stages, mosaic_pingpong=pingpong, mosaic_q_smem=q_smem
+    )
     fn = jax.jit(functools.partial(paged_attention_pallas, scale=0.125, interpret=INTERPRET, config=cfg))
     out, _, _ = fn(batch.q, batch.k_new, batch.v_new, batch.k_pages, batch.v_pages, batch.md)
 
