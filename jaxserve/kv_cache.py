@@ -44,26 +44,26 @@ def num_blocks_for(
         budget = (cache.cpu_kv_cache_space or _CPU_DEFAULT_KV_GIB) * (1 << 30)
         num = int(budget // block_bytes)
         num = min(num, max_num_seqs * blocks_per_seq + 1)
-    else:
-        stats = (device or jax.devices()[0]).memory_stats() or {}
-        limit = stats.get("bytes_limit", 0)
-        in_use = stats.get("bytes_in_use", 0)
-        budget = limit * cache.gpu_memory_utilization - in_use - activation_reserve_bytes
-        num = int(budget // block_bytes)
         if num < blocks_per_seq:
-            gib = 1 << 30
             raise ValueError(
-                f"no room for the KV cache: gpu_memory_utilization={cache.gpu_memory_utilization} of "
-                f"{limit / gib:.1f} GiB, minus {in_use / gib:.1f} GiB already in use (weights, or another engine "
-                f"in this process), minus {activation_reserve_bytes / gib:.1f} GiB for activations, leaves "
-                f"{max(num, 0)} blocks, fewer than one sequence of max_model_len={max_model_len} needs "
-                f"({blocks_per_seq}); raise gpu_memory_utilization, lower max_model_len, or set num_gpu_blocks_override"
+                f"the KV cache holds only {num} blocks of {cache.block_size} tokens ({num * cache.block_size} "
+                f"tokens), less than one sequence of max_model_len={max_model_len} needs; lower max_model_len, or "
+                f"raise cpu_kv_cache_space"
             )
+        return num
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    limit = stats.get("bytes_limit", 0)
+    in_use = stats.get("bytes_in_use", 0)
+    budget = limit * cache.gpu_memory_utilization - in_use - activation_reserve_bytes
+    num = int(budget // block_bytes)
     if num < blocks_per_seq:
+        gib = 1 << 30
         raise ValueError(
-            f"the KV cache holds only {num} blocks of {cache.block_size} tokens ({num * cache.block_size} tokens), "
-            f"less than one sequence of max_model_len={max_model_len} needs; lower max_model_len, or raise "
-            f"{'cpu_kv_cache_space' if platform == 'cpu' else 'gpu_memory_utilization'}"
+            f"no room for the KV cache: gpu_memory_utilization={cache.gpu_memory_utilization} of "
+            f"{limit / gib:.1f} GiB, minus {in_use / gib:.1f} GiB already in use (weights, or another engine "
+            f"in this process), minus {activation_reserve_bytes / gib:.1f} GiB for activations, leaves "
+            f"{max(num, 0)} blocks, fewer than one sequence of max_model_len={max_model_len} needs "
+            f"({blocks_per_seq}); raise gpu_memory_utilization, lower max_model_len, or set num_gpu_blocks_override"
         )
     return num
 

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.llm import render_chat
 
-from jaxserve.server.deltas import DeltaTracker, final_outputs, stream_outputs
+from jaxserve.server.deltas import DeltaTracker, final_outputs
 from jaxserve.server.errors import bad_request, from_value_error
 from jaxserve.server.logprobs import chat_logprobs
 from jaxserve.server.protocol import ChatCompletionRequest
@@ -25,8 +25,10 @@ from jaxserve.server.protocol_responses import (
     now_s,
     random_id,
 )
-from jaxserve.server.serving import ServerState, abort_unfinished, engine_error, get_state, guard_stream, parse_body, usage
-from jaxserve.server.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
+from jaxserve.server.serving import (
+    ServerState, abort_unfinished, engine_error, get_state, guard_stream, parse_body, stream_choices, usage,
+)
+from jaxserve.server.sse import SSEResponse, cancel_on_disconnect, sse_event
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -108,19 +110,13 @@ async def _stream(
 
     # OpenAI opens every choice with the role and empty content, before any token is ready.
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
-    async for _, out in stream_outputs(streams):
-        choices = []
-        for d in tracker.update(0, out):
-            lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
-            choices.append(
-                ChatChunkChoice(
-                    index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp,
-                    finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                )
-            )
-        if choices:
-            running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
-            yield chunk(choices, running)
-    if body.include_usage:
-        yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
-    yield DONE
+
+    def choice(_, d) -> ChatChunkChoice:
+        lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
+        return ChatChunkChoice(
+            index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp,
+            finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+        )  # fmt: skip
+
+    async for event in stream_choices(streams, tracker, body, choice, chunk):
+        yield event

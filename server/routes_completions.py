@@ -8,7 +8,7 @@ from typing import AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
+from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs
 from jaxserve.server.errors import bad_request, from_value_error
 from jaxserve.server.logprobs import completion_logprobs
 from jaxserve.server.protocol import CompletionRequest
@@ -18,8 +18,10 @@ from jaxserve.server.protocol_responses import (
     now_s,
     random_id,
 )
-from jaxserve.server.serving import ServerState, abort_unfinished, engine_error, get_state, guard_stream, parse_body, usage
-from jaxserve.server.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
+from jaxserve.server.serving import (
+    ServerState, abort_unfinished, engine_error, get_state, guard_stream, parse_body, stream_choices, usage,
+)
+from jaxserve.server.sse import SSEResponse, cancel_on_disconnect, sse_event
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -104,24 +106,14 @@ async def _stream(
         resp = CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=with_usage)
         return sse_event(resp)
 
-    async for i, out in stream_outputs(streams):
-        choices = []
-        for d in tracker.update(i, out):
-            prefix = echo[i] if d.first else ""
-            lp = None
-            if body.logprobs is not None and d.logprobs is not None:
-                lp, offsets[d.index] = completion_logprobs(
-                    d.token_ids, d.logprobs, offsets.get(d.index, len(echo[i]))
-                )
-            choices.append(
-                CompletionChoice(
-                    index=d.index, text=prefix + d.text, logprobs=lp,
-                    finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                )
-            )
-        if choices:
-            running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
-            yield chunk(choices, running)
-    if body.include_usage:
-        yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
-    yield DONE
+    def choice(i: int, d: Delta) -> CompletionChoice:
+        prefix = echo[i] if d.first else ""
+        lp = None
+        if body.logprobs is not None and d.logprobs is not None:
+            lp, offsets[d.index] = completion_logprobs(d.token_ids, d.logprobs, offsets.get(d.index, len(echo[i])))
+        return CompletionChoice(
+            index=d.index, text=prefix + d.text, logprobs=lp, finish_reason=d.finish_reason, stop_reason=d.stop_reason
+        )
+
+    async for event in stream_choices(streams, tracker, body, choice, chunk):
+        yield event

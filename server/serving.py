@@ -6,8 +6,7 @@ import copy
 import dataclasses
 import json
 import logging
-from typing import AsyncIterator
-from typing import Any, Optional, TypeVar
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 import pydantic
 from starlette.requests import Request
@@ -15,8 +14,10 @@ from starlette.requests import Request
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from jaxserve.sampling_params import SamplingParams
 
+from jaxserve.server.deltas import Delta, DeltaTracker, stream_outputs
 from jaxserve.server.errors import APIError, bad_request, error_body, from_validation_error, from_value_error
 from jaxserve.server.protocol_responses import UsageInfo, now_s
+from jaxserve.server.sse import DONE
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -122,6 +123,25 @@ def engine_error(e: BaseException) -> BaseException:
 def usage(prompt_lens: list[int], completion_tokens: int) -> UsageInfo:
     prompt = sum(prompt_lens)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+
+
+async def stream_choices(
+    streams: list[RequestStream],
+    tracker: DeltaTracker,
+    body,
+    make_choice: Callable[[int, Delta], Any],  # (prompt index, delta) -> the endpoint's chunk choice
+    chunk: Callable[[list, Optional[UsageInfo]], bytes],  # (choices, usage or None) -> one SSE event
+) -> AsyncIterator[bytes]:
+    """What every streamed endpoint sends after its opening: one chunk per engine output that moved a
+    choice (with running usage under continuous_usage_stats), the usage chunk under include_usage, [DONE]."""
+    async for i, out in stream_outputs(streams):
+        choices = [make_choice(i, d) for d in tracker.update(i, out)]
+        if choices:
+            running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
+            yield chunk(choices, running)
+    if body.include_usage:
+        yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
+    yield DONE
 
 
 

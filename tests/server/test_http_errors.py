@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import httpx
 import pytest
 
+from server_probes import metric, slow_steps, wait_idle
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve.async_engine import AsyncLLMEngine
@@ -56,15 +56,6 @@ def still_serves(http: httpx.Client) -> None:
     resp = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] >= 1
-
-
-def metric(http: httpx.Client, name: str, **labels: str) -> float:
-    """A sample's value from /metrics; 0 for a labelled counter not incremented yet."""
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    assert labels, f"{name} not in /metrics"
-    return 0.0
 
 
 def aborted(http: httpx.Client) -> float:
@@ -163,27 +154,13 @@ def test_bad_requests_do_not_disturb_a_running_stream(http):
 # ---------------------------------------------------------------- clients that go away
 
 
-def wait_idle(http: httpx.Client, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(http, "jaxserve:num_requests_running") == 0 and metric(http, "jaxserve:num_requests_waiting") == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("requests still running after the client went away")
-
-
 @pytest.fixture
-def slow_steps(server):
-    """Make each engine step take >= 5 ms, so a 400-token request surely outlives a 0.3 s client timeout
-    however fast the machine (the tiny model alone can finish it in about that time)."""
-    engine = server.engine.engine
-    step = engine.step
-    engine.step = lambda: time.sleep(0.005) or step()
-    yield
-    engine.step = step
+def slow(server, monkeypatch):
+    # The tiny model alone can finish 400 tokens inside the 0.3 s client timeout used below.
+    slow_steps(monkeypatch, server.engine.engine)
 
 
-def test_dropped_stream_is_aborted(http, slow_steps):
+def test_dropped_stream_is_aborted(http, slow):
     before = aborted(http)
     body = {"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -196,7 +173,7 @@ def test_dropped_stream_is_aborted(http, slow_steps):
     still_serves(http)
 
 
-def test_dropped_plain_request_is_aborted(server, http, slow_steps):
+def test_dropped_plain_request_is_aborted(server, http, slow):
     before = aborted(http)
     body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):

@@ -6,13 +6,13 @@ held it."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import jax
 import openai
 import pytest
 
+from server_probes import metric, slow_steps, wait_idle
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve.async_engine import AsyncLLMEngine
@@ -41,24 +41,6 @@ def server(tmp_path_factory):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
-
-
-def metric(http: httpx.Client, name: str, **labels: str) -> float:
-    """A sample's value from /metrics; 0 for a labelled counter not incremented yet."""
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    assert labels, f"{name} not in /metrics"
-    return 0.0
-
-
-def wait_idle(http: httpx.Client, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(http, "jaxserve:num_requests_running") == 0 and metric(http, "jaxserve:num_requests_waiting") == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("requests still running or waiting")
 
 
 def test_concurrent_completions_and_streamed_chat_complete_on_both_replicas(server, http):
@@ -129,9 +111,7 @@ def test_metrics_report_running_and_waiting_across_replicas(server, http):
 
 
 def test_dropped_stream_is_aborted(server, http, monkeypatch):
-    # >= 5 ms per step, so the 400-token request surely outlives the client however fast the machine.
-    step = server.engine.engine.step
-    monkeypatch.setattr(server.engine.engine, "step", lambda: time.sleep(0.005) or step())
+    slow_steps(monkeypatch, server.engine.engine)
     before = metric(http, "jaxserve:request_success_total", finished_reason="abort")
     body = {"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
