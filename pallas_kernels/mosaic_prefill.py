@@ -2,15 +2,18 @@
 paged cache on the tensor cores' warpgroup MMA (wgmma), fed by the bulk tensor copy engine (TMA).
 
 Work items are (query block, query head) pairs; a query block is ``2 * BQ`` consecutive new tokens of
-one sequence (``query_block_schedule``). The grid is persistent, one CTA per SM, each CTA walking items
-``cta, cta + num_ctas, ...`` longest block first, heads of one block side by side (the G heads that
-share a KV head read its pages while they are in L2). A step with no prefill work (pure decode) costs one
-wave of CTAs that find nothing to do. Each CTA runs three warpgroups:
+one sequence (``query_block_schedule``). The wrapper turns the blocks into a table of the scalars the
+kernel needs (``block_info``). The grid is persistent, one CTA per SM, each CTA walking items
+``cta, cta + num_ctas, ...`` longest block first, heads of one block side by side (the G heads that share a
+KV head read its pages while they are in L2). A step with no prefill work (pure decode) costs one wave of
+CTAs that find nothing to do. Each CTA runs three warpgroups:
 - warpgroups 0 and 1 each own BQ = 64 query rows (the wgmma M tile): S = Q K^T and O += P V on wgmma,
   the online softmax in registers;
-- warpgroup 2 only issues copies (``mosaic_kv_producer``): for KV tile t it gathers the tile's pages (one
-  TMA copy of [P, D] per page, straight from the block table) into ring slot t % stages, once both compute
-  warpgroups have released that slot. The ring runs on across items.
+- warpgroup 2 only issues copies (``mosaic_kv_producer``): each item's Q rows into one of two Q buffers,
+  and for KV tile t the tile's pages (one TMA copy of [P, D] per page, straight from the block table) into
+  ring slot t % stages, once both compute warpgroups have released that slot. The ring runs on across
+  items, and the producer runs ahead of the compute warpgroups, so an item's Q and its scalars (read one
+  item ahead) are there when its compute starts: no copy latency between items.
 ``MosaicPrefillConfig.pingpong`` adds FlashAttention-3's turn barrier between the compute warpgroups (one's
 softmax under the other's wgmma); on the H200 it measured 4% slower than without (2026-11-29), so it is off.
 The KV loop of each compute warpgroup ends at its last row's position (causal); tiles before its first
@@ -67,9 +70,9 @@ _SMEM_BYTES = 232448  # the H100/H200 limit per CTA, as Mosaic GPU reports it
 
 
 def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2, q_smem: bool = False) -> int:
-    """Shared memory of one CTA: the K and V rings, a plain Q/O buffer of both compute warpgroups (and a
-    swizzled Q buffer with ``q_smem``), a little for the barriers."""
-    return (2 * stages * block_kv + 2 * BQ * (1 + q_smem)) * head_dim * itemsize + 1024
+    """Shared memory of one CTA: the K and V rings, two plain Q/O buffers of both compute warpgroups (and
+    a swizzled Q buffer with ``q_smem``), a little for the barriers."""
+    return (2 * stages * block_kv + 2 * BQ * (2 + q_smem)) * head_dim * itemsize + 1024
 
 
 def unsupported_reason(
@@ -115,21 +118,36 @@ def _interpret_params():
     return InterpretGPUParams(out_of_bounds_reads="uninitialized")
 
 
+def block_info(sched, qsl, lens, *, block_kv: int) -> jax.Array:
+    """[NB, 8] int32 per query block: (sequence, first token, seq_len, real tokens, first position, KV
+    tiles, 0, 0). One table row gives the kernel every scalar of an item in one round of loads (the
+    schedule alone needs two dependent rounds: block -> sequence -> its offsets)."""
+    s, q_off = sched[:, 0], sched[:, 1]
+    q_start = qsl[s]
+    q_len = qsl[s + 1] - q_start
+    seq_len = lens[s]
+    n_valid = jnp.clip(q_len - q_off, 0, 2 * BQ)  # real tokens in the block
+    pos0 = seq_len - q_len + q_off  # position of the block's first token
+    # KV tiles up to the block's last causal position (none for the padding pseudo-sequence).
+    n_steps = jnp.maximum(pl.cdiv(jnp.minimum(seq_len, pos0 + n_valid), block_kv), 0)
+    zero = jnp.zeros_like(s)
+    return jnp.stack([s, q_start + q_off, seq_len, n_valid, pos0, n_steps, zero, zero], axis=1)
+
+
 def _kernel(
-    sched_ref,  # [NB, 2] int32: (sequence, first query offset) of each query block, used ones first
+    info_ref,  # [NB, 8] int32: ``block_info``, used blocks first
     n_blocks_ref,  # [1] int32: how many blocks are used
-    qsl_ref,  # [S+2] int32: query_start_loc plus T (sequence S: the padding tokens, written as zeros)
-    lens_ref,  # [S+1] int32: seq_lens plus 0
     tables_ref,  # [S+1, Bp] int32
     q_ref,  # [T, H, D]
     k_ref,  # [N * P, K, D]: the pages as one run of token rows
     v_ref,  # [N * P, K, D]
     o_ref,  # out [T, H, D]
-    qo_smem,  # [2, BQ, D] plain rows: Q's TMA copy from any token, later O for the store ladder
+    qo_smem,  # [2, 2, BQ, D] plain rows, (item parity, warpgroup): Q's TMA copy from any token, later O
     qw_smem,  # [2, BQ, D] swizzled: Q as the wgmma A operand (config.q_smem)
     k_smem,  # [stages, BKV, D]
     v_smem,  # [stages, BKV, D]
-    q_bar,  # 2 barriers
+    q_full,  # 4 barriers (item parity * 2 + warpgroup): the Q copy landed
+    q_free,  # 4 barriers: the warpgroup has Q in registers and its O store has read the buffer
     k_full,  # stages barriers, one arrival per page copy of a tile
     v_full,
     k_free,  # stages barriers, one arrival per compute warpgroup
@@ -156,23 +174,18 @@ def _kernel(
 
     def item_info(i):
         """Scalars of work item i; blocks run longest first (the schedule lists each sequence's blocks in
-        order, so later blocks, with more causal work, come last)."""
-        blk = n_blocks - 1 - lax.div(i, jnp.int32(num_heads))
-        h = lax.rem(i, jnp.int32(num_heads))
-        s = sched_ref[blk, 0]
-        q_off = sched_ref[blk, 1]
-        q_start = qsl_ref[s]
-        q_len = qsl_ref[s + 1] - q_start
-        seq_len = lens_ref[s]
-        n_valid = jnp.clip(q_len - q_off, 0, 2 * BQ)  # real tokens in this block
-        pos0 = seq_len - q_len + q_off  # position of the block's first token
-        # KV tiles up to the block's last causal position (none for the padding pseudo-sequence).
-        n_steps = jnp.maximum(pl.cdiv(jnp.minimum(seq_len, pos0 + n_valid), block_kv), 0)
-        return dict(h=h, s=s, tok0=q_start + q_off, seq_len=seq_len, n_valid=n_valid, pos0=pos0, n_steps=n_steps)
+        order, so later blocks, with more causal work, come last). Sorting them all by length measured no
+        better for equal prompts and costs a sort per step. An index past the last item (prefetches make
+        them) reads a real row."""
+        blk = jnp.maximum(n_blocks - 1 - lax.div(i, jnp.int32(num_heads)), 0)
+        names = ("s", "tok0", "seq_len", "n_valid", "pos0", "n_steps")
+        return dict(h=lax.rem(i, jnp.int32(num_heads)), **{k: info_ref[blk, c] for c, k in enumerate(names)})
 
-    # Each CTA takes items cta, cta + num_ctas, ...; the KV ring runs on across items, so every warpgroup
-    # counts global steps (`g0`: the first step of the item) to keep slots and barrier phases in step.
+    # Each CTA takes items cta, cta + num_ctas, ...: n_local of them. The KV ring runs on across items, so
+    # every warpgroup counts global steps (`g0`: the first step of the item) to keep slots and barrier
+    # phases in step; Q buffers alternate by the item's parity.
     cta = lax.axis_index("c")
+    n_local = jnp.maximum(pl.cdiv(n_items - cta, num_ctas), 0)
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -192,14 +205,18 @@ def _kernel(
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
 
         # Ping-pong: every KV step of a warpgroup passes the turn barrier twice (after issuing Q K^T, and
-        # between softmax and P V), released tiles included. Warpgroup 1 starts one turn behind, so each
-        # warpgroup's tensor-core work falls in the other's softmax. Warpgroup 0 evens the count at the end.
-        if pingpong:
-            pl.when(wg == 1)(take_turn)
+        # between softmax and P V), released tiles included. Warpgroup 1 falls one turn behind at the CTA's
+        # first KV step, so each warpgroup's tensor-core work falls in the other's softmax; warpgroup 0 evens
+        # the count at the end. Not at the start: warpgroup 1 would then wait for warpgroup 0's first tile
+        # while still holding a Q buffer, which the producer may need back to copy that tile's item (items
+        # with no KV steps, like the padding tokens', can come first).
+        def fall_behind(g):
+            if pingpong:
+                pl.when((wg == 1) & (g == 0))(take_turn)
 
-        @pl.loop(cta, n_items, step=num_ctas, init_carry=jnp.int32(0))
-        def _item(i, g0):
-            it = item_info(i)
+        def _item(n, carry):
+            g0, it = carry
+            nxt = item_info(cta + (n + 1) * num_ctas)  # next item's scalars: their loads hide behind this one
             h, seq_len, n_steps = it["h"], it["seq_len"], it["n_steps"]
             rows = jnp.clip(it["n_valid"] - wg * BQ, 0, BQ)  # real rows of this warpgroup
             wpos0 = it["pos0"] + wg * BQ
@@ -207,17 +224,18 @@ def _kernel(
             full = jnp.clip((wpos0 + 1) // block_kv, 0, steps)  # tiles every row sees whole: no mask
             # The tile holding the sequence's end, when that end is not tile-aligned: V rows past it are zeroed.
             ragged_tile = jnp.where(seq_len % block_kv != 0, seq_len // block_kv, -1)
-            qs = qo_smem.at[wg]
+            qb = lax.rem(n, 2) * 2 + wg  # this item's Q/O buffer and barriers
+            qs = qo_smem.at[lax.rem(n, 2), wg]
             row0 = it["tok0"] + wg * BQ  # flat token of this warpgroup's first row
 
-            @pl.when(rows > 0)
-            def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BQ), h], qs, q_bar.at[wg])
-                plgpu.barrier_wait(q_bar.at[wg])
-
-            # Q rows start at any token, and a tiled (swizzled) TMA copy into shared memory is only right
-            # from an 8-row-aligned start: Q lands in plain rows and goes to registers from there.
+            plgpu.barrier_wait(q_full.at[qb])  # the producer copied Q rows ahead of time
             q_regs = qs[...] if interpret else plgpu.load(qs, (), layout=wgmma_layout, optimized=False)
+
+            @pl.when(n > 0)
+            def _():  # hand the previous item's buffer back once its O store has read it
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(q_free.at[lax.rem(n + 1, 2) * 2 + wg])
+
             if q_smem:  # registers -> swizzled shared memory, the A operand of every Q K^T of the item
                 q_op = qw_smem.at[wg]
                 q_op[...] = q_regs
@@ -231,6 +249,7 @@ def _kernel(
 
             def step(t, carry, masked: bool):
                 acc, m, l = carry
+                fall_behind(g0 + t)
                 slot = lax.rem(g0 + t, jnp.int32(stages))
                 plgpu.barrier_wait(k_full.at[slot])
                 kt = k_smem.at[slot]
@@ -293,6 +312,7 @@ def _kernel(
             # for each load first keeps one arrival per phase: the copy into a slot waits for both releases.
             @pl.loop(steps, n_steps)
             def _(t):
+                fall_behind(g0 + t)
                 slot = lax.rem(g0 + t, jnp.int32(stages))
                 plgpu.barrier_wait(k_full.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -308,7 +328,8 @@ def _kernel(
                 out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
                 qs[...] = out.astype(dtype)
                 plgpu.commit_smem()
-                # Store exactly `rows` rows: one TMA copy per set bit of `rows`, largest first.
+                # Store exactly `rows` rows: one TMA copy per set bit of `rows`, largest first. Nobody waits
+                # for them here: the buffer goes back to the producer at the next item's start.
                 start = 0
                 size = BQ
                 while size >= 1:
@@ -319,22 +340,27 @@ def _kernel(
 
                     start = start + (rows & size)
                     size //= 2
-                # The buffer takes the next item's Q: these copies must have read it.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            return g0 + n_steps
+            return g0 + n_steps, nxt
+
+        g_end, _ = lax.fori_loop(0, n_local, _item, (jnp.int32(0), item_info(cta)))
 
         if pingpong:
-            pl.when(wg == 0)(take_turn)
+            pl.when((wg == 0) & (g_end > 0))(take_turn)
         plgpu.wait_smem_to_gmem(0)  # every output row written before the CTA ends
+
+        @pl.when(n_local > 0)
+        def _():  # the last item's buffer: every phase of q_free is observed by the producer
+            plgpu.barrier_arrive(q_free.at[lax.rem(n_local - 1, 2) * 2 + wg])
 
     @pl.when(wg == 2)
     def _memory():
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
-        mosaic_kv_producer.produce_kv(
-            item_info, n_items, cta, num_ctas, tables_ref, (k_ref, v_ref), (k_smem, v_smem), (k_full, v_full),
-            (k_free, v_free), group=group, block_kv=block_kv, page_size=page_size, stages=stages,
+        mosaic_kv_producer.produce(
+            item_info, n_local, cta, num_ctas, tables_ref, (q_ref, qo_smem, q_full, q_free),
+            (k_ref, v_ref), (k_smem, v_smem), (k_full, v_full), (k_free, v_free),
+            group=group, block_q=BQ, block_kv=block_kv, page_size=page_size, stages=stages,
         )  # fmt: skip
 
 
@@ -374,7 +400,7 @@ def prefill_attention_mosaic(
     blk_seq, blk_off = query_block_schedule(qsl, mine, block_q=block_q, num_blocks=num_blocks)
     q_lens = qsl[1:] - qsl[:-1]
     n_used = jnp.sum(jnp.where(mine, pl.cdiv(q_lens, block_q), 0)).astype(jnp.int32).reshape(1)
-    sched = jnp.stack([blk_seq, blk_off], axis=1)  # [NB, 2]
+    info = block_info(jnp.stack([blk_seq, blk_off], axis=1), qsl, lens, block_kv=bkv)  # [NB, 8]
     # Pad the table so that every tile's page ids exist; pages past seq_len are read and then masked.
     padded_width = max(width, pl.cdiv(pl.cdiv(width * page_size, bkv) * bkv, page_size))
     tables = jnp.pad(block_tables, ((0, 1), (0, padded_width - width)))  # [S+1, Bp]
@@ -399,11 +425,12 @@ def prefill_attention_mosaic(
         kernel,
         out_type=jax.ShapeDtypeStruct((t, h, d), q.dtype),
         scratch_types=[
-            plgpu.SMEM((2, BQ, d), q.dtype),
+            plgpu.SMEM((2, 2, BQ, d), q.dtype),
             plgpu.SMEM((2, BQ, d), q.dtype, transforms=swizzled) if config.q_smem else None,
             plgpu.SMEM((stages, bkv, d), q.dtype, transforms=swizzled),
             plgpu.SMEM((stages, bkv, d), q.dtype, transforms=swizzled),
-            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=4),
+            plgpu.Barrier(num_barriers=4),
             plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=stages),
             plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -416,4 +443,4 @@ def prefill_attention_mosaic(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interpret_params() if interpret else None,
-    )(sched, n_used, qsl, lens, tables, q, k_pages.reshape(-1, kh, d), v_pages.reshape(-1, kh, d))
+    )(info, n_used, tables, q, k_pages.reshape(-1, kh, d), v_pages.reshape(-1, kh, d))

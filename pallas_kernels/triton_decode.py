@@ -32,7 +32,7 @@ def _decode_kernel(
     qsl_ref,  # [S+1] int32 query_start_loc
     seq_lens_ref,  # [S] int32
     tables_ref,  # [S, Bp] int32, padded to cover num_splits * tokens_per_split
-    q_ref,  # [T + QA, K, Gp, D]
+    q_ref,  # [T (+ QA), K, Gp, D]
     k_ref,  # [N, P, K, D]
     v_ref,  # [N, P, K, D]
     *refs,  # (aliased buffer in,) then out: o [T(+QA), K, Gp, D], or acc [J, S, K, M, D] f32, m and l [J, S, K, M] f32
@@ -59,7 +59,10 @@ def _decode_kernel(
     seq_len = seq_lens_ref[s]
     active = (q_len > 0) & (q_len <= q_per_seq)
 
-    q = q_ref[pl.ds(q_start, q_per_seq), kh, :, :].reshape(rows, head_dim)  # [M, D]
+    # Rows past the sequence's tokens are masked: q may end right after its last token (no padding rows).
+    tok_ok = active & (lax.broadcasted_iota(jnp.int32, (q_per_seq, gp), 0) < q_len)  # [QA, Gp]
+    q_mask = jnp.broadcast_to(tok_ok[:, :, None], (q_per_seq, gp, head_dim))
+    q = plgpu.load(q_ref.at[pl.ds(q_start, q_per_seq), kh, :, :], mask=q_mask, other=0).reshape(rows, head_dim)
     row_tok = lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 0) // gp  # [M, TK]
     q_pos = seq_len - q_len + row_tok  # [M, TK] position of each row's token
 
@@ -85,7 +88,6 @@ def _decode_kernel(
 
     acc, m, l = lax.fori_loop(0, n_tiles, body, tc.init_carry(rows, head_dim))
     # Only the rows of this sequence's real tokens are stored: the next rows belong to other sequences.
-    tok_ok = active & (lax.broadcasted_iota(jnp.int32, (q_per_seq, gp), 0) < q_len)  # [QA, Gp]
     if len(out_refs) == 1:  # one split: normalise here and store the final rows
         (o_ref,) = out_refs
         out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype).reshape(q_per_seq, gp, head_dim)
@@ -139,7 +141,7 @@ def _merge_kernel(
 
 
 def decode_attention(
-    q_p: jax.Array,  # [T + QA, K, Gp, D]
+    q_p: jax.Array,  # [T (+ QA), K, Gp, D]: padding rows only for interpret mode (it clamps row windows)
     k_pages: jax.Array,  # [N, P, K, D]
     v_pages: jax.Array,  # [N, P, K, D]
     query_start_loc: jax.Array,  # [S+1]
