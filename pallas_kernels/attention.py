@@ -54,22 +54,24 @@ def _pallas_available(platform: str) -> bool:
 
 @functools.cache
 def get_attention_fn(name: str, platform: str) -> AttentionFn:
-    backend = resolve_backend(name, platform)
     # Every backend comes wrapped in a jit of its own: every layer calls attention with the same shapes, so
-    # it is traced and lowered once per step shape instead of once per layer (tracing the xla backend's
-    # loops 30 times was ~1.2 s of each shape's start-up). XLA inlines the call; the step runs the same.
+    # it is traced and lowered once per step shape instead of once per layer. XLA inlines the call; the
+    # step runs the same. Measured: tracing the xla backend's loops 30 times was ~1.2 s of each shape's
+    # start-up on CPU; lowered per layer, the Mosaic GPU prefill kernel was built 32 times per step shape of
+    # an 8B model (~2.9 s each on the H200: 105 s per shape instead of ~16 s).
+    return jax.jit(_backend_fn(resolve_backend(name, platform), platform), static_argnames=("scale", "sliding_window"))
+
+
+def _backend_fn(backend: str, platform: str) -> AttentionFn:
     if backend == "reference":
-        return jax.jit(paged_attention, static_argnames=("scale", "sliding_window"))
+        return paged_attention
     if backend == "xla":
         from jaxserve.pallas_kernels.xla_attention import paged_attention_xla
 
-        return jax.jit(paged_attention_xla, static_argnames=("scale", "sliding_window"))
+        return paged_attention_xla
     try:
         from jaxserve.pallas_kernels.paged_attention_pallas import paged_attention_pallas
     except ImportError as e:
         raise ValueError(f"attention_backend='pallas' could not be loaded ({e}); use attention_backend='xla'") from e
-    # Off-accelerator the kernels run in Pallas interpret mode: slow, exact, for tests and CI. Wrapped in a
-    # jit of its own for more than tracing time: lowered per layer, the Mosaic GPU prefill kernel was built
-    # 32 times per step shape of an 8B model (~2.9 s each on the H200: 105 s per shape instead of ~19 s).
-    fn = functools.partial(paged_attention_pallas, platform=platform, interpret=platform not in ("gpu", "tpu"))
-    return jax.jit(fn, static_argnames=("scale", "sliding_window"))
+    # Off-accelerator the kernels run in Pallas interpret mode: slow, exact, for tests and CI.
+    return functools.partial(paged_attention_pallas, platform=platform, interpret=platform not in ("gpu", "tpu"))

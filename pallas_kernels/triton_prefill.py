@@ -134,7 +134,7 @@ def prefill_attention(
     s_count, width = block_tables.shape
     # Each prefill sequence adds at most one partial block; max_prefill_seqs (at most T // (QA + 1) when
     # decodes take up to QA tokens) keeps a pure-decode step's empty launch small.
-    num_blocks = pl.cdiv(num_tokens, block_q) + min(s_count, s_count if max_prefill_seqs is None else max_prefill_seqs)
+    num_blocks = pl.cdiv(num_tokens, block_q) + (s_count if max_prefill_seqs is None else min(s_count, max_prefill_seqs))
     blk_seq, blk_off = query_block_schedule(
         query_start_loc, is_prefill_seq, block_q=block_q, num_blocks=num_blocks
     )

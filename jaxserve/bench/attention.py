@@ -48,19 +48,15 @@ def time_fn(fn: Callable, *args, reps: int = 20, rounds: int = 5) -> float:
 
 
 def time_donating(fn: Callable, k, v, *rest, reps: int, rounds: int) -> float:
-    """Like ``time_fn`` for ``fn(k, v, *rest) -> (..., k, v)`` that donates the KV cache (in place, as in the
+    """``time_fn`` for ``fn(k, v, *rest) -> (..., k, v)`` that donates the KV cache (in place, as in the
     engine's step): each call takes the cache the previous call returned."""
-    for _ in range(2):
-        *_, k, v = fn(k, v, *rest)
-    jax.block_until_ready((k, v))
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            *_, k, v = fn(k, v, *rest)
-        jax.block_until_ready((k, v))
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+    cache = [k, v]
+
+    def call():
+        *_, cache[0], cache[1] = fn(*cache, *rest)
+        return cache
+
+    return time_fn(call, reps=reps, rounds=rounds)
 
 
 def kv_write_rows(batch, cfg: GpuKernelConfig, scale: float, quick: bool, reps: int, rounds: int) -> dict:
