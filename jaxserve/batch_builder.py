@@ -14,7 +14,8 @@ from jaxserve.scheduler_output import ScheduledSeq
 class StepInputs:
     """Padded numpy arrays for one step; field meanings as in AttentionMetadata."""
 
-    input_ids: np.ndarray  # [T] int32
+    input_ids: np.ndarray  # [T] int32: 0 where the token comes from the device (prev_index >= 0)
+    prev_index: np.ndarray  # [T] int32: row of the previous step's samples holding this token, or -1
     positions: np.ndarray  # [T] int32
     slot_mapping: np.ndarray  # [T] int32
     token_seq_ids: np.ndarray  # [T] int32
@@ -47,6 +48,13 @@ def build_step_inputs(
     query_start_loc[0] = 0
     np.cumsum(q_lens, out=query_start_loc[1 : s_real + 1])
 
+    # Placeholders (a sequence's last token, sampled by the step in flight) come from the device.
+    prev_index = np.full(t_pad, -1, np.int32)
+    for i, s in enumerate(seqs):
+        if s.num_placeholders:
+            prev_index[query_start_loc[i + 1] - 1] = s.prev_row
+            input_ids[query_start_loc[i + 1] - 1] = 0
+
     seq_lens = np.zeros(s_pad, np.int32)
     seq_lens[:s_real] = starts + q_lens
 
@@ -70,6 +78,7 @@ def build_step_inputs(
 
     return StepInputs(
         input_ids=input_ids,
+        prev_index=prev_index,
         positions=positions,
         slot_mapping=slot_mapping,
         token_seq_ids=token_seq_ids,

@@ -163,7 +163,11 @@ class KVCacheManager:
         if blocks is None:
             return
         start = self._req_num_cached[req_id]
-        end = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # Only tokens known on the host can be hashed: a step in flight may have computed (or be
+        # computing) KV for a token the host has not read back yet. Its KV lands before any later step
+        # can read the block, since steps run in order on the device.
+        known = min(request.num_computed_tokens, request.num_tokens)
+        end = min(known // self.block_size, len(blocks))
         if end <= start:
             return
         bs = self.block_size

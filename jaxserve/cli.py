@@ -20,6 +20,8 @@ _HELP = {
     "num_gpu_blocks_override": "fix the number of KV cache blocks",
     "cpu_kv_cache_space": "GiB of KV cache on CPU (default 1)",
     "enforce_eager": "run without the whole-step jit (slow; for debugging and comparison)",
+    "async_scheduling": "dispatch each model step before reading the previous step's tokens back, so host work "
+    "overlaps the device (--no-async-scheduling: one step at a time, for debugging and comparison)",
     "attention_backend": "auto (pallas on GPU/TPU, xla elsewhere), reference (plain jnp ground truth), xla (jnp that gathers little; fast on CPU) or pallas",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",

@@ -35,6 +35,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     enforce_eager: bool = False
+    # Dispatch step N+1 before reading step N's tokens back (the host's work overlaps the device's).
+    async_scheduling: bool = True
     attention_backend: str = "auto"  # auto | reference | xla | pallas
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     skip_tokenizer_init: bool = False

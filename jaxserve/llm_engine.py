@@ -1,4 +1,11 @@
-"""LLMEngine: add requests, step, collect outputs. The one loop behind LLM.generate and the server."""
+"""LLMEngine: add requests, step, collect outputs. The one loop behind LLM.generate and the server.
+
+The step loop is asynchronous (``async_scheduling``, on by default): each ``step()`` schedules and
+dispatches step N+1 *before* reading step N's sampled tokens back, so the host's scheduling, input
+building, dispatch, detokenizing and stop checks overlap the device's work on step N instead of
+leaving it idle. Outputs therefore come one call late; stops are applied when the tokens are read, and
+any token a stopped request computed meanwhile is dropped, never emitted.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from jaxserve.engine_setup import EngineComponents, build_engine_components
 from jaxserve.config import EngineArgs
@@ -16,6 +23,10 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_metadata import MAX_BANNED
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxserve.model_runner import StepHandle
 
 logger = logging.getLogger("jaxserve")
 
@@ -51,6 +62,8 @@ class LLMEngine:
         self.eos_token_ids = c.eos_token_ids
         self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(self.model_config.seed)
+        self.async_scheduling = self.args.async_scheduling
+        self._in_flight: Optional[tuple[SchedulerOutput, StepHandle]] = None  # dispatched, not yet read
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
 
@@ -162,21 +175,40 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return outputs of the requests that progressed."""
+        """Dispatch the next model step, then read back the previous one; returns the outputs of the
+        requests that progressed (with async scheduling off, of the step just run)."""
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self.scheduler.has_pending_penalty_rows():
+            # Penalties read the whole history on the host: let the in-flight token arrive first.
+            outputs += self._finish(*self._in_flight)
+            self._in_flight = None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        runner_out = self.runner.execute(sched)
+        previous, self._in_flight = self._in_flight, None
+        if not sched.is_empty:
+            self._in_flight = (sched, self.runner.dispatch(sched))
+            self._count_prompt_tokens(sched)
+        if previous is not None:
+            outputs += self._finish(*previous)
+        if not self.async_scheduling and self._in_flight is not None:
+            outputs += self._finish(*self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _finish(self, sched: SchedulerOutput, handle: "StepHandle") -> list[RequestOutput]:
+        """Read a dispatched step's tokens back and apply them: stops, detokenizing, outputs."""
+        runner_out = self.runner.fetch(handle)
         rows = {seq.req_id: i for i, seq in enumerate(sched.seqs) if seq.sample}
-        for seq in sched.seqs:
-            if seq.start_pos < seq.num_prompt_tokens:
-                self.num_prompt_tokens += min(len(seq.token_ids), seq.num_prompt_tokens - seq.start_pos)
         updated = self.scheduler.update_from_output(sched, runner_out)
-        self.num_generation_tokens += sum(1 for seq in sched.seqs if seq.sample)
+        self.num_generation_tokens += len(updated)
         outputs, stopped = self.output_processor.process(updated, rows, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
+        for seq in sched.seqs:
+            if seq.start_pos < seq.num_prompt_tokens:
+                self.num_prompt_tokens += min(len(seq.token_ids), seq.num_prompt_tokens - seq.start_pos)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -205,6 +237,7 @@ class LLMEngine:
             "kv_cache_gib": round(self.runner.kv_cache_bytes / (1 << 30), 3),
             "token_buckets": self.runner.token_buckets,
             "attention_backend": self.runner.runner_config.attention_backend,
+            "async_scheduling": self.async_scheduling,
             "tensor_parallel_size": self.runner.mesh.shape["model"],
             "data_parallel_size": 1,
         }

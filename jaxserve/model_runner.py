@@ -5,6 +5,12 @@ updates it in place), and one jitted step per static shape bucket. Each step: pa
 ragged batch to a bucket, run the model, take the logits of each sequence's last token, sample on
 device, and copy the sampled tokens back in one transfer.
 
+Dispatch and read-back are separate (``dispatch`` / ``fetch``) so that the engine can dispatch step
+N+1 before it reads step N's tokens: the sampled ids stay on the device (``_last_tokens``) and the next
+step takes each placeholder input token from them inside the jitted step, so the host never waits for
+them. The weights travel into the jitted step as a flat list of arrays, not as the nnx State pytree,
+because flattening custom pytree nodes costs Python time on every call.
+
 Sharding: the runner owns one (1, tp) mesh. Parameters, the KV cache (by KV heads) and the step's
 inputs and outputs are placed by jaxserve.sharding's rules; the step is jitted with those in/out
 shardings, so the donated cache comes back with the sharding it went in with (in place), and XLA adds
@@ -13,6 +19,7 @@ the tensor-parallel collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -30,19 +37,39 @@ from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerCon
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
-from jaxserve.sampler import sample, to_runner_output
+from jaxserve.sampler import SamplerOutput, sample, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("jaxserve")
 
 
-def _forward(graphdef, state, kv_caches, input_ids, md: AttentionMetadata):
-    """Pure step: (params, cache, batch) -> (logits of each sequence's last token [S, V], new cache)."""
-    model = nnx.merge(graphdef, state)
+def _forward(graphdef, treedef, params, kv_caches, input_ids, prev_index, prev_tokens, md: AttentionMetadata):
+    """Pure step: (params, cache, batch) -> (logits of each sequence's last token [S, V], new cache).
+
+    ``input_ids`` [T] holds the tokens known on the host; where ``prev_index`` [T] is >= 0 the token is
+    the previous step's sample ``prev_tokens[prev_index]`` ([S_max] i32, still on the device).
+    """
+    input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)  # [T]
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     hidden, kv_caches = model(input_ids, kv_caches, md)  # [T, E]
     logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
     return logits, kv_caches
+
+
+def _sample_padded(logits: jax.Array, md: SamplingMetadata, num_rows_max: int) -> SamplerOutput:
+    """The sampler, with token ids padded to ``num_rows_max`` rows so the next step takes one shape."""
+    out = sample(logits, md)
+    token_ids = jnp.pad(out.token_ids, (0, num_rows_max - out.token_ids.shape[0]))  # [S_max]
+    return dataclasses.replace(out, token_ids=token_ids)
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step whose results may still be computing on the device."""
+
+    sampled: SamplerOutput  # device arrays
+    num_rows: int  # real sequences in the step
 
 
 class ModelRunner:
@@ -70,6 +97,7 @@ class ModelRunner:
         # A no-op when the loader already placed the weights (it does, via shardings_fn).
         self.state = jax.device_put(state, sharding.param_shardings(model, self.mesh))
         del state
+        self.params, self._treedef = jax.tree.flatten(self.state)  # flat list: cheap to pass per call
         self._eager_model = nnx.merge(self.graphdef, self.state) if runner_config.enforce_eager else None
         self.dtype = jnp.dtype(model_config.dtype)
 
@@ -98,17 +126,20 @@ class ModelRunner:
             cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
             sharding=cache_sharding,
         )
-        state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        param_shardings = [x.sharding for x in self.params]
         cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
         batch_sharding = sharding.replicated(self.mesh)  # input ids and the whole AttentionMetadata
         logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
         self._step = jax.jit(
-            functools.partial(_forward, self.graphdef),
+            functools.partial(_forward, self.graphdef, self._treedef),
             donate_argnums=1,
-            in_shardings=(state_shardings, cache_shardings, batch_sharding, batch_sharding),
+            in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 4,
             out_shardings=(logits_sharding, cache_shardings),
         )
-        self._sample = jax.jit(sample)
+        # Every step's samples are padded to the largest S bucket: the next step reads them in one shape.
+        self.max_rows = buckets.seq_bucket_for(self.token_buckets[-1], scheduler_config.max_num_seqs)
+        self._sample = jax.jit(functools.partial(_sample_padded, num_rows_max=self.max_rows))
+        self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
         self.num_steps = 0
 
     # ------------------------------------------------------------------ sizing
@@ -144,7 +175,12 @@ class ModelRunner:
         )
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one scheduled step; rows of the result follow ``sched.seqs``."""
+        """Run one scheduled step and wait for it; rows of the result follow ``sched.seqs``."""
+        return self.fetch(self.dispatch(sched))
+
+    def dispatch(self, sched: SchedulerOutput) -> StepHandle:
+        """Launch one scheduled step without waiting for it. Placeholder tokens (``seq.num_placeholders``)
+        are taken on the device from the samples of the step dispatched just before this one."""
         t, s, b = self._shapes_for(sched)
         x = build_step_inputs(
             sched.seqs,
@@ -156,8 +192,14 @@ class ModelRunner:
         )
         sampling_md = SamplingMetadata.from_seqs(sched.seqs, s, self._history_len(sched))
         out = self._run(x, sampling_md)
+        self._last_tokens = out.token_ids
         self.num_steps += 1
-        return to_runner_output(jax.device_get(out), len(sched.seqs))
+        return StepHandle(out, len(sched.seqs))
+
+    @staticmethod
+    def fetch(handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a dispatched step and copy its samples to the host (one transfer)."""
+        return to_runner_output(handle.sampled, handle.num_rows)
 
     def _history_len(self, sched: SchedulerOutput) -> int:
         if not any(seq.sampling_params.uses_penalties for seq in sched.seqs):
@@ -165,13 +207,17 @@ class ModelRunner:
         longest = max(len(seq.history) for seq in sched.seqs)
         return min(1 << max(4, (longest - 1).bit_length()), self.model_config.max_model_len)
 
-    def _run(self, x: StepInputs, sampling_md: SamplingMetadata):
+    def _run(self, x: StepInputs, sampling_md: SamplingMetadata) -> SamplerOutput:
         md = self._metadata(x)
         if self._eager_model is not None:
-            hidden, self.kv_caches = self._eager_model(jnp.asarray(x.input_ids), self.kv_caches, md)
+            prev = jnp.asarray(x.prev_index)
+            input_ids = jnp.where(prev >= 0, self._last_tokens[jnp.maximum(prev, 0)], jnp.asarray(x.input_ids))
+            hidden, self.kv_caches = self._eager_model(input_ids, self.kv_caches, md)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
-            return sample(logits, sampling_md)
-        logits, self.kv_caches = self._step(self.state, self.kv_caches, x.input_ids, md)
+            return _sample_padded(logits, sampling_md, self.max_rows)
+        logits, self.kv_caches = self._step(
+            self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, md
+        )
         return self._sample(logits, sampling_md)
 
     # ------------------------------------------------------------------ compile
@@ -191,7 +237,9 @@ class ModelRunner:
             bar.set_postfix_str(f"tokens={t} ctx={b * self.block_size}")
             s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
             x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
-            logits, self.kv_caches = self._step(self.state, self.kv_caches, x.input_ids, self._metadata(x))
+            logits, self.kv_caches = self._step(
+                self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, self._metadata(x)
+            )
             if s not in sampler_rows_done:
                 sampler_rows_done.add(s)
                 for md in SamplingMetadata.warmup_variants(s):
@@ -206,6 +254,7 @@ def _dummy_inputs(t: int, s: int, b: int, dropped_slot: int) -> StepInputs:
     zeros_t = np.zeros(t, np.int32)
     return StepInputs(
         input_ids=zeros_t,
+        prev_index=np.full(t, -1, np.int32),
         positions=zeros_t,
         slot_mapping=np.full(t, dropped_slot, np.int32),
         token_seq_ids=zeros_t,

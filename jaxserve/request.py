@@ -33,9 +33,10 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence. With n > 1 the engine makes n Requests (one per sample) sharing the prompt.
 
-    Token accounting: ``num_computed_tokens`` (tokens whose KV is in the cache) moves towards
-    ``num_tokens`` (prompt + generated). A step schedules ``num_tokens - num_computed_tokens`` or fewer;
-    when a step computes up to ``num_tokens`` the sampled token is appended.
+    Token accounting: ``num_computed_tokens`` (tokens whose KV is in the cache or being written by a
+    step in flight) moves towards ``num_tokens + num_pending_tokens``. A step schedules the difference
+    or fewer; when a step reaches the last token, the token it samples is *pending* until the host
+    reads it back (one step later under asynchronous scheduling), then it is appended.
     """
 
     def __init__(
@@ -56,6 +57,11 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens sampled by dispatched steps whose ids the host has not read back yet (0, 1 or
+        # transiently 2 under asynchronous scheduling). The next step can still compute them: the
+        # runner feeds the sampled ids from the device (see ScheduledSeq.num_placeholders).
+        self.num_pending_tokens = 0
+        self.pending_row = -1  # this request's row in the last dispatched step that sampled for it
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -75,6 +81,11 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the request will have once its in-flight samples are read back."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 
@@ -85,5 +96,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
-            f"computed={self.num_computed_tokens}, {self.status.value})"
+            f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens}, {self.status.value})"
         )

@@ -11,8 +11,16 @@ Under KV pressure the scheduler preempts by recompute: the most recently admitte
 gives its blocks back and goes to the front of the queue, to recompute prompt + generated tokens later
 (often mostly from the prefix cache) and carry on exactly where it stopped.
 
-Pure Python, no arrays. Not thread safe: ``schedule`` and ``update_from_output`` must alternate on the
-engine thread, and aborts must be delivered there too.
+Asynchronous scheduling: ``schedule`` may run again before the last step's results are back. A
+request whose step N samples a token gets a *pending* token; step N+1 can still compute it (the runner
+feeds the sampled id from the device), so the scheduler counts it as known work and advances
+``num_computed_tokens`` when it schedules, not when results arrive. ``update_from_output`` for step N
+then appends the tokens and applies stop checks one step late; a request that stopped at step N has its
+row of step N+1 ignored, so a token computed past a stop is never emitted. ``max_tokens`` and
+``max_model_len`` are known ahead, so a request whose pending token reaches them is not scheduled again.
+
+Pure Python, no arrays. Not thread safe: ``schedule`` and ``update_from_output`` run on the engine
+thread, at most one step ahead of the results, and aborts must be delivered there too.
 """
 
 from __future__ import annotations
@@ -141,6 +149,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
+            request.num_pending_tokens = 0  # whatever is in flight for it is dropped
             self.kv.free(request)
 
     # ---- the step ----
@@ -156,6 +165,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new <= 0 or self._reaches_limit(request):
+                i += 1  # its pending token ends it (or nothing to do until results are back)
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -163,7 +175,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                seqs.append(self._scheduled_seq(request, num_new))
+                seqs.append(self._scheduled_seq(request, num_new, row=len(seqs)))
                 budget -= num_new
                 i += 1
 
@@ -171,6 +183,8 @@ class Scheduler:
         # only preempt again next step.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token in flight: admit it once that token is known (next step)
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
             if not self.enable_chunked_prefill and remaining > budget:
@@ -184,64 +198,95 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            seqs.append(self._scheduled_seq(request, num_new))
+            seqs.append(self._scheduled_seq(request, num_new, row=len(seqs)))
             budget -= num_new
 
         return SchedulerOutput(
             seqs=seqs,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted_req_ids=preempted,
+            requests=[self.requests[seq.req_id] for seq in seqs],
         )
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
-        """Apply one step's results. Returns the requests that got a new token or finished, in the order
-        they were scheduled; finished ones have already released their blocks."""
+        """Apply one step's results (possibly a step after later ones were scheduled). Returns the
+        requests that got a new token or finished, in the order they were scheduled; finished ones have
+        already released their blocks. Rows of requests that finished meanwhile (a stop seen in the
+        previous step's results, an abort) are ignored: their tokens were computed past the end."""
         updated: list[Request] = []
         any_finished = False
-        for row, seq in enumerate(sched_out.seqs):
-            request = self.requests.get(seq.req_id)
-            if request is None:  # finished by finish_requests while the step ran
+        for row, (seq, request) in enumerate(zip(sched_out.seqs, sched_out.requests)):
+            if request.is_finished:
                 continue
-            assert request.num_computed_tokens == seq.start_pos, (request, seq.start_pos)
-            request.num_computed_tokens += len(seq.token_ids)
             if seq.sample:
+                request.num_pending_tokens -= 1
                 request.append_output_token(runner_out.sampled_token_ids[row])
                 self._check_stop(request)
                 updated.append(request)
             # Before freeing: a finished request's blocks stay revivable for a follow-up turn.
-            self.kv.cache_full_blocks(request)
+            if request.status == RequestStatus.RUNNING or request.is_finished:
+                self.kv.cache_full_blocks(request)
             if request.is_finished:
                 any_finished = True
+                request.num_pending_tokens = 0  # a token the next step computed past the end is dropped
                 del self.requests[request.request_id]
                 self.kv.free(request)
+                if request in self.waiting:  # preempted while its last token was in flight
+                    self.waiting.remove(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
 
+    def has_pending_penalty_rows(self) -> bool:
+        """Whether a running request with a token in flight uses penalties: its next step needs the whole
+        history on the host, so the engine reads the step in flight back before scheduling."""
+        return any(r.num_pending_tokens and r.sampling_params.uses_penalties for r in self.running)
+
     # ---- helpers ----
 
+    def _reaches_limit(self, request: Request) -> bool:
+        """A pending token will end this request by length: scheduling it again would compute past the end."""
+        if not request.num_pending_tokens:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        return request.num_tokens_with_pending >= self.max_len or (
+            max_tokens is not None and request.num_output_tokens + request.num_pending_tokens >= max_tokens
+        )
+
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+        num_new = request.num_tokens_with_pending - num_computed
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return min(num_new, budget)
 
-    def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+    def _scheduled_seq(self, request: Request, num_new: int, row: int) -> ScheduledSeq:
+        """The request's share of this step; advances its accounting as if the step had already run."""
         start = request.num_computed_tokens
         end = start + num_new
-        return ScheduledSeq(
+        known = request.num_tokens
+        num_placeholders = max(0, end - known)
+        # One step in flight at most, and it samples one token per request: at most one placeholder.
+        assert num_placeholders <= 1 and num_placeholders <= request.num_pending_tokens, request
+        seq = ScheduledSeq(
             req_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + [-1] * num_placeholders,
             start_pos=start,
             block_ids=self.kv.get_block_ids(request),
-            sample=end == request.num_tokens,
+            sample=end == request.num_tokens_with_pending,
             sampling_params=request.sampling_params,
             seed=request.seed,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens + request.num_pending_tokens,
             history=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
             eos_token_ids=request.eos_token_ids,
+            num_placeholders=num_placeholders,
+            prev_row=request.pending_row if num_placeholders else -1,
         )
+        request.num_computed_tokens = end
+        if seq.sample:
+            request.num_pending_tokens += 1
+            request.pending_row = row
+        return seq
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

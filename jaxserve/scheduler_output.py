@@ -12,7 +12,10 @@ class ScheduledSeq:
     """One sequence's share of a step."""
 
     req_id: str
-    token_ids: list[int]  # the tokens to compute this step: all_token_ids[start_pos : start_pos + len]
+    # The tokens to compute this step: all_token_ids[start_pos : start_pos + len]. The last
+    # ``num_placeholders`` of them were sampled by the step still in flight and are not known on the
+    # host yet: they are -1 here, and the runner takes them from that step's device output.
+    token_ids: list[int]
     start_pos: int  # num_computed_tokens before this step (position of token_ids[0])
     block_ids: list[int]  # the sequence's whole block table (covers start_pos + len(token_ids) slots)
     sample: bool  # this step reaches the sequence's last known token: a new token is sampled from it
@@ -22,6 +25,8 @@ class ScheduledSeq:
     history: list[int]  # prompt + output tokens (read only; used by penalties), prompt first
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...] = ()  # banned (with stop_token_ids) until min_tokens are generated
+    num_placeholders: int = 0  # 0 or 1: trailing token_ids to take from the previous step's samples
+    prev_row: int = -1  # with a placeholder: the row of this sequence in the previous step's samples
 
 
 @dataclasses.dataclass
@@ -31,6 +36,9 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq]
     num_batched_tokens: int  # sum of len(seq.token_ids)
     preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
+    # The scheduler's own Request objects, parallel to seqs, so that results read back a step later
+    # land on the request that was scheduled even if its id was reused meanwhile. Not for the runner.
+    requests: list = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -4,7 +4,8 @@
 
 Runs the same random workload as `jaxserve bench throughput` (defaults: 64 prompts, 128 in, 64 out, EOS
 ignored) and prints, per step shape and kind (prefill / decode / mixed), the number of steps and the
-mean time of `ModelRunner.execute` (host batch building + the jitted step + sampling). `--no-attention`
+mean time of `ModelRunner.dispatch` until its samples are ready (host batch building + the jitted step +
+sampling), with asynchronous scheduling off so that steps do not overlap. `--no-attention`
 swaps attention for a bare KV write, to show what the rest of the model costs (a diagnostic, not a
 correct model).
 """
@@ -25,6 +26,8 @@ def _no_attention(q, k_new, v_new, k_pages, v_pages, md, *, scale, sliding_windo
 
 
 def main(argv: list[str] | None = None) -> int:
+    import jax
+
     from jaxserve.bench.workload import random_workload
     from jaxserve.cli import add_engine_args, engine_args_from
     from jaxserve.llm import LLM
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-attention", action="store_true", help="replace attention by a KV write (diagnostic)")
     add_engine_args(p)
     ns = p.parse_args(argv)
-    args = engine_args_from(ns)
+    args = dataclasses.replace(engine_args_from(ns), async_scheduling=False)  # one step at a time, timed alone
     if ns.no_attention:
         from jaxserve.pallas_kernels import attention
 
@@ -56,20 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(prompts[:2], params[:2], use_tqdm=False)
 
     stats: dict[tuple, list] = collections.defaultdict(lambda: [0, 0.0])
-    execute = runner.execute
+    dispatch = runner.dispatch
 
     def timed(sched):
         t, _, b = runner._shapes_for(sched)
         start = time.perf_counter()
-        out = execute(sched)
+        handle = dispatch(sched)
+        jax.block_until_ready(handle.sampled)  # the engine runs one step at a time here (see below)
         decodes = sum(len(s.token_ids) == 1 for s in sched.seqs)
         kind = "decode" if decodes == len(sched.seqs) else ("prefill" if decodes == 0 else "mixed")
         entry = stats[(t, b * runner.block_size, kind)]
         entry[0] += 1
         entry[1] += time.perf_counter() - start
-        return out
+        return handle
 
-    runner.execute = timed
+    runner.dispatch = timed
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
