@@ -66,6 +66,9 @@ class LLMEngine:
         self._in_flight: Optional[tuple[SchedulerOutput, StepHandle]] = None  # dispatched, not yet read
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
+        # Where the loop's time goes: seconds inside step() in all, and of those, blocked reading a
+        # step's tokens back (the host waiting for the device). host = total - wait.
+        self.loop_time = {"steps": 0, "total_s": 0.0, "wait_s": 0.0}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: bool = True) -> "LLMEngine":
@@ -177,6 +180,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Dispatch the next model step, then read back the previous one; returns the outputs of the
         requests that progressed (with async scheduling off, of the step just run)."""
+        start = time.perf_counter()
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self.scheduler.has_pending_penalty_rows():
             # Penalties read the whole history on the host: let the in-flight token arrive first.
@@ -192,11 +196,15 @@ class LLMEngine:
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
+        self.loop_time["steps"] += 1
+        self.loop_time["total_s"] += time.perf_counter() - start
         return outputs
 
     def _finish(self, sched: SchedulerOutput, handle: "StepHandle") -> list[RequestOutput]:
         """Read a dispatched step's tokens back and apply them: stops, detokenizing, outputs."""
+        wait_start = time.perf_counter()
         runner_out = self.runner.fetch(handle)
+        self.loop_time["wait_s"] += time.perf_counter() - wait_start
         rows = {seq.req_id: i for i, seq in enumerate(sched.seqs) if seq.sample}
         updated = self.scheduler.update_from_output(sched, runner_out)
         self.num_generation_tokens += len(updated)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import TextModelConfig
-from jaxserve.models.registry import abstract_model, build_model
+from jaxserve.models.registry import abstract_model
 from jaxserve.pallas_kernels.attention import AttentionFn
 
 
@@ -20,20 +22,37 @@ def load_dummy_model(
     seed: int = 0,
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
 ) -> nnx.Module:
-    """A model with HF-style random initialisation (projections ~ N(0, 0.02), norms 1), so activations
-    and logits stay finite.
+    """A model with HF-style random initialisation (projections and embeddings ~ N(0, 0.02), norm scales
+    1, biases 0), so activations and logits stay finite.
 
-    The parameters are created on the device inside one jitted function: an 8B model never passes
-    through host memory. ``shardings_fn(abstract_model)`` may return a state-shaped tree of shardings
-    to create them already sharded.
+    Each parameter is drawn on the device by a small jitted generator, already in its sharding
+    (``shardings_fn(abstract_model)``, a state-shaped tree). Generators are cached by (kind, shape,
+    dtype, sharding), so the 32 layers of an 8B model share a handful of tiny programs: building one
+    jitted function for the whole model instead took XLA ~100 s on an H200 to compile.
     """
     abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn)
-    graphdef, _ = nnx.split(abstract)
-    shardings = shardings_fn(abstract) if shardings_fn is not None else None
+    graphdef, abstract_state = nnx.split(abstract)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+    if shardings_fn is not None:
+        sharding_leaves = jax.tree.leaves(shardings_fn(abstract), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    else:
+        sharding_leaves = [None] * len(leaves)
+    root = jax.random.key(seed)
+    arrays = []
+    for i, ((path, leaf), sharding) in enumerate(zip(leaves, sharding_leaves)):
+        name = jax.tree_util.keystr(path)
+        kind = "ones" if "norm" in name and "scale" in name else ("zeros" if "bias" in name else "normal")
+        arrays.append(_generator(kind, leaf.shape, jnp.dtype(leaf.dtype), sharding)(jax.random.fold_in(root, i)))
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
 
-    def init():
-        model = build_model(cfg, dtype=dtype, attention_fn=attention_fn, rngs=nnx.Rngs(seed))
-        return nnx.split(model)[1]  # the state; the graphdef is static and already known
 
-    state = jax.jit(init, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+@functools.lru_cache(maxsize=None)
+def _generator(kind: str, shape: tuple[int, ...], dtype, sharding):
+    def make(key):
+        if kind == "ones":
+            return jnp.ones(shape, dtype)
+        if kind == "zeros":
+            return jnp.zeros(shape, dtype)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    return jax.jit(make, out_shardings=sharding)
