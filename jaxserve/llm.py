@@ -59,6 +59,9 @@ class LLM:
                     f"sampling_params has {len(params)} entries but there are {len(prompts)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
+        # LLM returns finished outputs only: the engine need not build one per request per step.
+        final_only = {}
+        params = [final_only.setdefault(id(sp), sp.clone(output_kind="final_only")) for sp in params]
         engine = self.llm_engine
         tokenized = []  # each prompt tokenized once, here; the engine takes the ids (and keeps the text)
         for i, (p, sp) in enumerate(zip(prompts, params)):  # validate everything before queueing anything

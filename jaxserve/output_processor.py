@@ -54,6 +54,10 @@ class RequestGroup:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
 
+    @property
+    def final_only(self) -> bool:
+        return self.samples[0].request.sampling_params.output_kind == "final_only"
+
     def output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
@@ -118,11 +122,13 @@ class OutputProcessor:
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
-            if group.finished:
+            finished = group.finished
+            if finished:
                 group.finish_time = now
-            outputs.append(group.output())
-            if group.finished:
+                outputs.append(group.output())
                 self._drop(group)
+            elif not group.final_only:
+                outputs.append(group.output())
         return outputs, stopped_by_string
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -28,6 +28,11 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self)
+
+
+_FINISHED = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
 
 
 class Request:
@@ -87,7 +92,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

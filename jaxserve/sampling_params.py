@@ -32,6 +32,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # "cumulative": an output after every step with everything so far (streaming, the server);
+    # "final_only": only the finished output (LLM.generate), which spares the host a RequestOutput per
+    # request per step.
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +76,8 @@ class SamplingParams:
             raise bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
+        if self.output_kind not in ("cumulative", "final_only"):
+            raise bad("output_kind", self.output_kind, "must be 'cumulative' or 'final_only'")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "must be non-empty strings")
 
