@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.bench import throughput
 
     throughput.add_parser(bench_sub, add_engine_args)
+    from jaxserve.bench import latency
+
+    latency.add_parser(bench_sub, add_engine_args)
     from jaxserve.bench import sweep
 
     sweep.add_parser(bench_sub, add_engine_args)

@@ -2,7 +2,11 @@
 
 With --compare-hf the same prompts run through transformers' `generate` in static batches (EOS ignored,
 each batch padded on the left and run to its longest requested output) in a subprocess of the same job,
-and the ratio of asked-for output tokens per second is reported.
+and the ratio of asked-for output tokens per second is reported (HF runs in the engine's dtype).
+
+--roofline adds the workload's roofline (jaxserve.bench.roofline.offline: model FLOPs at a matmul rate and
+bytes at a copy rate, both measured in this job before the engine is built) and the fraction reached.
+--single-stream also runs `bench latency`'s measurement on the same engine (one engine start, not two).
 """
 
 from __future__ import annotations
@@ -10,12 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
-import subprocess
-import sys
-import tempfile
 import time
+
+from jaxserve.bench.latency import add_single_stream_args
 
 
 def add_parser(bench_sub, add_engine_args) -> None:
@@ -29,6 +31,12 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--compare-hf", "--compare_hf", dest="compare_hf", action="store_true",
                    help="also run HF transformers generate (static batches) on the same prompts (needs torch)")
     p.add_argument("--hf-batch-size", "--hf_batch_size", dest="hf_batch_size", type=int, default=16)
+    p.add_argument("--roofline", action="store_true",
+                   help="measure the matmul and copy rates and report the workload's roofline and the fraction reached")
+    p.add_argument("--single-stream", "--single_stream", dest="single_stream", action="store_true",
+                   help="also measure single-stream decode (as `bench latency`) on the same engine")
+    add_single_stream_args(p, prefix="single-stream")
+    p.add_argument("--quick", action="store_true", help="small roofline measurements (smoke runs, CPU tests)")
     p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -37,12 +45,20 @@ def add_parser(bench_sub, add_engine_args) -> None:
 def run(ns: argparse.Namespace) -> int:
     import jax
 
+    from jaxserve.bench import latency, roofline
+    from jaxserve.bench.hf_generate import run_in_subprocess
     from jaxserve.bench.workload import dataset_workload, random_workload
     from jaxserve.cli import engine_args_from
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
     args = engine_args_from(ns)
+    if ns.single_stream:
+        latency.check_args(ns.single_stream_input_len, ns.single_stream_output_len, ns.single_stream_repeats,
+                           flag="--single-stream-")
+    dtype = latency.resolve_dtype(args.dtype)
+    # Measured before the engine exists: its KV cache takes most of the device memory.
+    rates = roofline.measure_rates(dtype, quick=ns.quick) if ns.roofline or ns.single_stream else None
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(args))
     startup_s = time.perf_counter() - t0
@@ -84,8 +100,19 @@ def run(ns: argparse.Namespace) -> int:
         f"jaxserve: {len(work)} requests in {elapsed:.2f}s: {result['requests_per_s']:.2f} req/s, "
         f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s"
     )
+    if ns.roofline:
+        sc = engine.scheduler_config
+        roof = roofline.offline(engine.text_config, dtype, work, sc.max_num_seqs, sc.max_num_batched_tokens, rates)
+        result["roofline"] = roof
+        result["roofline_fraction"] = result["output_tokens_per_s"] / roof["output_tokens_per_s"]
+        print(f"roofline ({roofline.format_rates(rates)}): {roof['output_tokens_per_s']:.1f} output tok/s "
+              f"({roof['bound']}-bound: {roof['flops'] / 1e12:.1f} TFLOP in {roof['flops_s']:.2f} s, "
+              f"{roof['bytes'] / 1e9:.1f} GB in {roof['bytes_s']:.2f} s) -> {100 * result['roofline_fraction']:.0f}% reached")
+    if ns.single_stream:
+        result["single_stream"] = latency.run_single_stream(llm, ns, "single_stream_", dtype, rates["copy_bytes_per_s"])
+        print(latency.describe(result["single_stream"]))
     if ns.compare_hf:
-        hf = _run_hf_baseline(engine.model_config.model, work, ns.hf_batch_size)
+        hf = run_in_subprocess(engine.model_config.model, work, ns.hf_batch_size, dtype)
         result["hf"] = hf
         result["speedup_vs_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
         print(
@@ -98,16 +125,3 @@ def run(ns: argparse.Namespace) -> int:
             json.dump(result, f, indent=1)
     return 0
 
-
-def _run_hf_baseline(model_path: str, work, batch_size: int) -> dict:
-    """Run jaxserve/bench/hf_generate.py in a subprocess (torch stays out of this process)."""
-    with tempfile.TemporaryDirectory() as d:
-        req = os.path.join(d, "work.json")
-        res = os.path.join(d, "result.json")
-        with open(req, "w") as f:
-            json.dump({"model": model_path, "batch_size": batch_size,
-                       "requests": [[w.prompt_token_ids, w.output_len] for w in work]}, f)
-        cmd = [sys.executable, "-m", "jaxserve.bench.hf_generate", req, res]
-        subprocess.run(cmd, check=True)
-        with open(res) as f:
-            return json.load(f)
