@@ -107,7 +107,7 @@ def describe(res: dict) -> str:
             f"(decode only {res['decode_tokens_per_s']:.1f}, TTFT {res['ttft_ms']:.0f} ms; median of {res['repeats']})")
     if "roofline" in res:
         text += (f"; weight-read roofline {res['roofline']['tokens_per_s']:.1f} tok/s "
-                 f"({res["roofline"]["weight_bytes"] / 1e6:.1f} MB at {res['roofline']['copy_bytes_per_s'] / 1e12:.3f} TB/s): "
+                 f"({res['roofline']['weight_bytes'] / 1e6:.1f} MB at {res['roofline']['copy_bytes_per_s'] / 1e12:.3f} TB/s): "
                  f"{100 * res['roofline_fraction']:.0f}% reached")
     if "hf" in res:
         text += f"\nHF transformers generate, same prompts one at a time: {res['hf']['tokens_per_s']:.1f} tok/s -> jaxserve is {res['speedup_vs_hf']:.2f}x"
