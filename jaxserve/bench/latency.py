@@ -47,12 +47,23 @@ def check_args(input_len: int, output_len: int, repeats: int, flag: str = "--") 
 
 
 def resolve_dtype(dtype: str) -> str:
-    """EngineArgs' dtype as the engine will resolve it ("auto": bfloat16 on accelerators, float32 on CPU)."""
-    import jax
+    """EngineArgs' dtype as the engine will resolve it ("auto": bfloat16 on accelerators, float32 on CPU).
 
+    The platform is asked of a child process: JAX on a GPU takes most of its memory when it starts, and HF's
+    side must run before that, in a process of its own."""
     if dtype != "auto":
         return dtype
-    return "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
+    from jaxserve.bench.sweep import _probe_devices
+
+    return "float32" if _probe_devices()["platform"] == "cpu" else "bfloat16"
+
+
+def model_path_and_config(args):
+    """The model's path and text config, read without JAX (see resolve_dtype)."""
+    from jaxserve.model_loader import read_text_config, resolve_model_path
+
+    path, _ = resolve_model_path(args.model, args.load_format)
+    return path, read_text_config(path)
 
 
 def single_stream_work(vocab: int, input_len: int, output_len: int, repeats: int) -> list:
@@ -114,15 +125,20 @@ def describe(res: dict) -> str:
     return text
 
 
-def run_single_stream(llm, ns, prefix: str, dtype: str, copy_rate: float) -> dict:
-    """The whole single-stream measurement on an engine already built; also used by `bench throughput`."""
+def prepare(ns, prefix: str, model_path: str, cfg, dtype: str) -> tuple[list, dict | None]:
+    """The single-stream prompts, and HF's run on them with --compare-hf (before any engine exists)."""
     input_len, output_len, repeats = (getattr(ns, f"{prefix}{k}") for k in ("input_len", "output_len", "repeats"))
-    engine = llm.llm_engine
-    work = single_stream_work(engine.text_config.vocab_size, input_len, output_len, repeats)
-    res = with_roofline(measure(llm, work), engine.text_config, dtype, copy_rate)
-    if ns.compare_hf:
-        res["hf"] = hf_single_stream(engine.model_config.model, dtype, work)
-        res["speedup_vs_hf"] = res["tokens_per_s"] / res["hf"]["tokens_per_s"]
+    check_args(input_len, output_len, repeats, flag=f"--{prefix.replace('_', '-')}")
+    work = single_stream_work(cfg.vocab_size, input_len, output_len, repeats)
+    return work, (hf_single_stream(model_path, dtype, work) if ns.compare_hf else None)
+
+
+def finish(llm, work: list, hf: dict | None, dtype: str, copy_rate: float) -> dict:
+    """Time ``work`` on the engine, add the roofline and HF's rate; also used by `bench throughput`."""
+    res = with_roofline(measure(llm, work), llm.llm_engine.text_config, dtype, copy_rate)
+    if hf is not None:
+        res["hf"] = hf
+        res["speedup_vs_hf"] = res["tokens_per_s"] / hf["tokens_per_s"]
     return res
 
 
@@ -133,14 +149,15 @@ def run(ns: argparse.Namespace) -> int:
     from jaxserve.cli import engine_args_from
     from jaxserve.llm import LLM
 
-    check_args(ns.input_len, ns.output_len, ns.repeats)
     args = engine_args_from(ns)
+    path, cfg = model_path_and_config(args)
     dtype = resolve_dtype(args.dtype)
+    work, hf = prepare(ns, "", path, cfg, dtype)
     rates = roofline.measure_rates(dtype, quick=ns.quick, matmul=False)  # before the KV cache takes the memory
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(args))
     startup_s = time.perf_counter() - t0
-    res = run_single_stream(llm, ns, "", dtype, rates["copy_bytes_per_s"])
+    res = finish(llm, work, hf, dtype, rates["copy_bytes_per_s"])
     result = {"engine": "jaxserve", "bench": "latency", **res, "startup_s": startup_s,
               "engine_info": llm.llm_engine.info(), **environment(jax)}
     print(describe(result))

@@ -53,23 +53,26 @@ def run(ns: argparse.Namespace) -> int:
     from jaxserve.sampling_params import SamplingParams
 
     args = engine_args_from(ns)
-    if ns.single_stream:
-        latency.check_args(ns.single_stream_input_len, ns.single_stream_output_len, ns.single_stream_repeats,
-                           flag="--single-stream-")
+    path, cfg = latency.model_path_and_config(args)
+    if ns.dataset:
+        from jaxserve.model_loader import load_tokenizer
+
+        work = dataset_workload(ns.dataset, load_tokenizer(path, args.tokenizer), ns.output_len)
+    else:
+        # Stay clear of special tokens at the top of small vocabularies.
+        work = random_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, cfg.vocab_size, seed=0,
+                               token_range=(100, min(cfg.vocab_size, 32000)))
     dtype = latency.resolve_dtype(args.dtype)
+    # HF first, each run in a process of its own, while no JAX process holds the device's memory.
+    hf = run_in_subprocess(path, work, ns.hf_batch_size, dtype) if ns.compare_hf else None
+    if ns.single_stream:
+        single_work, single_hf = latency.prepare(ns, "single_stream_", path, cfg, dtype)
     # Measured before the engine exists: its KV cache takes most of the device memory.
     rates = roofline.measure_rates(dtype, quick=ns.quick) if ns.roofline or ns.single_stream else None
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(args))
     startup_s = time.perf_counter() - t0
     engine = llm.llm_engine
-    vocab = engine.text_config.vocab_size
-    if ns.dataset:
-        work = dataset_workload(ns.dataset, llm.get_tokenizer(), ns.output_len)
-    else:
-        # Stay clear of special tokens at the top of small vocabularies.
-        work = random_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab, seed=0,
-                               token_range=(100, min(vocab, 32000)))
     prompts = [{"prompt_token_ids": w.prompt_token_ids} for w in work]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=w.output_len) for w in work]
 
@@ -109,10 +112,9 @@ def run(ns: argparse.Namespace) -> int:
               f"({roof['bound']}-bound: {roof['flops'] / 1e12:.1f} TFLOP in {roof['flops_s']:.2f} s, "
               f"{roof['bytes'] / 1e9:.1f} GB in {roof['bytes_s']:.2f} s) -> {100 * result['roofline_fraction']:.0f}% reached")
     if ns.single_stream:
-        result["single_stream"] = latency.run_single_stream(llm, ns, "single_stream_", dtype, rates["copy_bytes_per_s"])
+        result["single_stream"] = latency.finish(llm, single_work, single_hf, dtype, rates["copy_bytes_per_s"])
         print(latency.describe(result["single_stream"]))
-    if ns.compare_hf:
-        hf = run_in_subprocess(engine.model_config.model, work, ns.hf_batch_size, dtype)
+    if hf is not None:
         result["hf"] = hf
         result["speedup_vs_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
         print(
