@@ -50,7 +50,8 @@ def write_word_tokenizer(out_dir: str, vocab_size: int, bos_id: int, eos_id: int
     from jaxserve.bench.serve import _WORDS  # the words of `bench serve`'s random prompts
 
     words = list(dict.fromkeys(_WORDS))
-    special = {bos_id: "<|begin_of_text|>", eos_id: "<|end_of_text|>", 0: "<unk>"}
+    unk_id = min(set(range(3)) - {bos_id, eos_id})
+    special = {unk_id: "<unk>", bos_id: "<|begin_of_text|>", eos_id: "<|end_of_text|>"}
     vocab, k = {}, 0
     for i in range(vocab_size):
         if i in special:

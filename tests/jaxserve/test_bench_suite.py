@@ -3,6 +3,7 @@ command end to end on the tiny model (`bench latency`, `bench ablation`, `bench 
 No timing is asserted: speeds are the benches' output, not the tests'."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from jaxserve.bench import ablation, roofline, suite
 from jaxserve.bench.launch import engine_flags
-from jaxserve.bench.model_shapes import write_shape
+from jaxserve.bench.model_shapes import write_shape, write_word_tokenizer
 from jaxserve.bench.workload import BenchRequest
 from jaxserve.cli import build_parser, engine_args_from
 from jaxserve.config import EngineArgs
@@ -115,7 +116,13 @@ def test_ablation_rows(tmp_path):
 
 
 def test_suite_offline_and_serving(tmp_path):
-    _run(["bench", "suite", "--model", checkpoint("llama_gqa"), *ENGINE, "--compilation-cache-dir", str(tmp_path / "cc"),
+    # As on the GPU: a config-only directory with model_shapes' word tokenizer, dummy weights in jaxserve
+    # and random ones in HF (the numbers differ: only the speeds are compared), text prompts to the server.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((Path(checkpoint("llama_gqa")) / "config.json").read_text())
+    write_word_tokenizer(str(model), 512, bos_id=0, eos_id=1)
+    _run(["bench", "suite", "--model", str(model), "--load-format", "dummy", *ENGINE, "--compilation-cache-dir", str(tmp_path / "cc"),
           "--num-prompts", "4", "--input-len", "12", "--output-len", "4", "--single-stream-input-len", "8",
           "--single-stream-output-len", "6", "--single-stream-repeats", "2", "--serve-concurrency", "1,2",
           "--serve-prompts-per-slot", "2", "--hf-batch-size", "2", "--quick", "--timeout", "300",
