@@ -48,6 +48,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--hf-batch-size", "--hf_batch_size", dest="hf_batch_size", type=int, default=64)
     p.add_argument("--eager-scale", "--eager_scale", dest="eager_scale", type=float, default=0.125,
                    help="the eager row's input and output lengths are scaled by this (1: the same workload)")
+    p.add_argument("--reuse", default=None, metavar="JSON",
+                   help="take the hf and default rows from this `bench throughput --compare-hf` result of the same "
+                        "workload and engine flags instead of running them again")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per row")
     p.add_argument("--output-dir", "--output_dir", dest="output_dir", default="ablation",
                    help="writes ablation.json and ablation.png here")
@@ -98,8 +101,14 @@ def run(ns: argparse.Namespace) -> int:
     workload = dict(num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
                     range_ratio=ns.range_ratio)
     os.makedirs(ns.output_dir, exist_ok=True)
+    reused = _reusable(ns.reuse, workload, base) if ns.reuse else {}
     rows = []
     for name in rows_wanted:
+        if name in reused:
+            print(f"ablation: {name}: taken from {ns.reuse}")
+            rows.append({"row": name, "note": NOTES[name], **reused[name], "workload": workload, "reused_from": ns.reuse})
+            _print_row(rows[-1])
+            continue
         print(f"ablation: {name}: running...", flush=True)
         if name == "hf":
             path, _ = resolve_model_path(args.model, args.load_format)
@@ -137,6 +146,21 @@ def run(ns: argparse.Namespace) -> int:
     if plot(result, out_png):
         print(f"ablation: wrote {out_png}")
     return 0
+
+
+def _reusable(path: str, workload: dict, engine_args: dict) -> dict:
+    """The hf and default rows from a `bench throughput` JSON, after checking it measured the same thing."""
+    with open(path) as f:
+        res = json.load(f)
+    if res.get("workload") != workload:
+        raise ValueError(f"--reuse {path}: its workload {res.get('workload')} is not this one {workload}")
+    if res.get("engine_args") not in (None, engine_args):
+        raise ValueError(f"--reuse {path}: it ran with other engine flags than these")
+    rows = {"default": {"output_tokens_per_s": res["output_tokens_per_s"], "dtype": res["engine_info"]["dtype"]}}
+    if "hf" in res:
+        rows["hf"] = {"output_tokens_per_s": res["hf"]["output_tokens_per_s"], "dtype": res["hf"]["dtype"],
+                      "batch_size": res["hf"]["batch_size"]}
+    return rows
 
 
 def _print_row(r: dict) -> None:

@@ -86,6 +86,9 @@ def run(ns: argparse.Namespace) -> int:
         "engine": "jaxserve",
         "model": engine.model_config.served_model_name,
         "num_prompts": len(work),
+        # The workload's flags (a --dataset run has none); `bench ablation --reuse` checks them.
+        "workload": None if ns.dataset else dict(num_prompts=ns.num_prompts, input_len=ns.input_len,
+                                                 output_len=ns.output_len, range_ratio=ns.range_ratio),
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
         "elapsed_s": elapsed,
@@ -94,6 +97,7 @@ def run(ns: argparse.Namespace) -> int:
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
         "startup_s": startup_s,
         "engine_info": engine.info(),
+        "engine_args": dataclasses.asdict(args),
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "python": platform.python_version(),

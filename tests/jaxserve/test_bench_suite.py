@@ -98,23 +98,6 @@ def test_latency(tmp_path):
     assert res["tokens_per_s"] > 0 and res["roofline"]["tokens_per_s"] > 0 and res["roofline_fraction"] > 0
 
 
-def test_ablation_rows(tmp_path):
-    # Two of the five rows keep CI short: fp32 and no-chunked-prefill only change EngineArgs fields
-    # (test_no_chunked_prefill_row_raises_a_small_step_budget) that the engine's own tests cover;
-    # default is the suite test's offline part.
-    _run(["bench", "ablation", "--model", checkpoint("llama_gqa"), *ENGINE, "--compilation-cache-dir", str(tmp_path / "cc"),
-          "--num-prompts", "4", "--input-len", "12", "--output-len", "4", "--hf-batch-size", "2", "--rows", "eager,hf",
-          "--eager-scale", "0.5", "--timeout", "300", "--output-dir", str(tmp_path)])
-    res = json.loads((tmp_path / "ablation.json").read_text())
-    assert [r["row"] for r in res["rows"]] == ["hf", "eager"]
-    for r in res["rows"]:
-        assert "error" not in r, r
-        assert r["speedup_vs_hf"] > 0
-    eager = res["rows"][1]
-    assert eager["workload"]["input_len"] == 6 and eager["workload"]["output_len"] == 2
-    assert (tmp_path / "ablation.png").stat().st_size > 1000
-
-
 def test_suite_offline_and_serving(tmp_path):
     # As on the GPU: a config-only directory with model_shapes' word tokenizer, dummy weights in jaxserve
     # and random ones in HF (the numbers differ: only the speeds are compared), text prompts to the server.
@@ -138,3 +121,29 @@ def test_suite_offline_and_serving(tmp_path):
     assert goals["offline_output_tokens_per_s"]["measured"] == off["output_tokens_per_s"]
     assert goals["serve_c64_output_tokens_per_s"]["measured"] is None  # concurrency 64 was not run
     assert (tmp_path / "suite.png").stat().st_size > 1000
+
+    # The ablation takes HF and default from that offline run; only the eager row runs (scaled workload).
+    _run(["bench", "ablation", "--model", str(model), "--load-format", "dummy", *ENGINE,
+          "--compilation-cache-dir", str(tmp_path / "cc"), "--num-prompts", "4", "--input-len", "12", "--output-len", "4",
+          "--range-ratio", "0.0", "--rows", "eager,hf,default", "--reuse", str(tmp_path / "offline.json"),
+          "--eager-scale", "0.5", "--timeout", "300", "--output-dir", str(tmp_path / "ablation")])
+    abl = json.loads((tmp_path / "ablation" / "ablation.json").read_text())
+    rows = {r["row"]: r for r in abl["rows"]}
+    assert list(rows) == ["hf", "eager", "default"]
+    assert rows["hf"]["reused_from"] and rows["default"]["output_tokens_per_s"] == off["output_tokens_per_s"]
+    assert "reused_from" not in rows["eager"] and rows["eager"]["workload"]["output_len"] == 2
+    assert all(r["speedup_vs_hf"] > 0 for r in rows.values())
+    assert (tmp_path / "ablation" / "ablation.png").stat().st_size > 1000
+    # A later suite call in the same directory summarises what is already there.
+    assert len(suite._earlier_result(str(tmp_path), "serve")["runs"]) == 2
+    assert suite._earlier_result(str(tmp_path), "ablation")["rows"][1]["row"] == "eager"
+
+
+def test_suite_reuses_offline_only_when_it_measured_the_same(tmp_path):
+    path = tmp_path / "offline.json"
+    work, args = {"num_prompts": 4}, {"model": "m"}
+    path.write_text(json.dumps({"workload": work, "engine_args": args, "hf": {}}))
+    assert suite._reusable_offline(str(path), work, args, need_hf=True)
+    assert not suite._reusable_offline(str(path), {"num_prompts": 8}, args, need_hf=True)
+    assert not suite._reusable_offline(str(path), work, {"model": "other"}, need_hf=False)
+    assert not suite._reusable_offline(str(tmp_path / "missing.json"), work, args, need_hf=False)
