@@ -41,30 +41,35 @@ class ServerProcess:
         self.startup_s = 0.0
 
     def __enter__(self) -> "ServerProcess":
-        import httpx
-
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *engine_flags(self.args), "--host", "127.0.0.1",
                "--port", str(self.port), "--disable-access-log", "--uvicorn-log-level", "warning"]
         self._log = open(self.log_path, "w")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(t0)
+        except BaseException:  # a failed start, a timeout, or SIGTERM / Ctrl-C while waiting: no orphan server
+            self.__exit__()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def _wait_ready(self, t0: float) -> None:
+        import httpx
+
         while True:
             if self.proc.poll() is not None:
-                self._close()
                 raise RuntimeError(f"`jaxserve serve` exited with code {self.proc.returncode} during start-up: "
                                    f"{_tail(self.log_path)} (log: {self.log_path})")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    break
+                    return
             except httpx.HTTPError:
                 pass
             if time.perf_counter() - t0 > self.startup_timeout:
-                self.__exit__()
                 raise TimeoutError(f"`jaxserve serve` did not answer /health within {self.startup_timeout:.0f}s "
                                    f"(log: {self.log_path})")
             time.sleep(1.0)
-        self.startup_s = time.perf_counter() - t0
-        return self
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:

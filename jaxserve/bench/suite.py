@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -88,6 +89,9 @@ def run(ns: argparse.Namespace) -> int:
     from jaxserve.bench.launch import engine_flags
     from jaxserve.cli import engine_args_from
 
+    # `timeout` or a job limit sends SIGTERM: unwind so that the child running now is killed (subprocess.run
+    # does that on any exception) and the server child is stopped, instead of leaving them on the device.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     parts = _parts(ns.parts)
     concurrencies = _concurrencies(ns.serve_concurrency) if "serve" in parts else []
     if ns.serve_prompts_per_slot < 1:
