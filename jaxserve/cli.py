@@ -104,14 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (load generator), sweep")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.bench import throughput
+    from jaxserve.bench import ablation, latency, suite, sweep, throughput
 
-    throughput.add_parser(bench_sub, add_engine_args)
-    from jaxserve.bench import sweep
-
-    sweep.add_parser(bench_sub, add_engine_args)
+    for bench_module in (throughput, latency, ablation, sweep, suite):
+        bench_module.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve
     except ImportError:

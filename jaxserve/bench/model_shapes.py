@@ -1,11 +1,19 @@
-"""Config-only model directories for dummy-weight benchmarks (no download): `python -m
-jaxserve.bench.model_shapes llama3-8b DIR` writes DIR/config.json, then `--model DIR --load-format dummy`."""
+"""Config-only model directories for dummy-weight benchmarks (no download).
+
+    python -m jaxserve.bench.model_shapes llama3-8b DIR [--num-hidden-layers 4] [--no-tokenizer]
+
+writes DIR/config.json (then `--model DIR --load-format dummy`; HF's side of the benches initialises the
+same shape randomly) and, unless --no-tokenizer, a word-level tokenizer whose vocabulary is exactly the
+model's: every id decodes to a word, and `bench serve`'s random word prompts encode one token per word, so
+the OpenAI server can take text prompts and stream every generated token as text. It is no real language's
+tokenizer: text through it measures speed, nothing else.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 
 SHAPES = {
     # The shape ../shared/bench/hf_baseline.py measures transformers on.
@@ -18,14 +26,55 @@ SHAPES = {
 }
 
 
-def write_shape(name: str, out_dir: str) -> str:
+def write_shape(name: str, out_dir: str, num_hidden_layers: int | None = None, tokenizer: bool = True) -> str:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    if num_hidden_layers is not None and num_hidden_layers < 1:
+        raise ValueError(f"--num-hidden-layers={num_hidden_layers} is invalid: must be >= 1")
+    config = dict(SHAPES[name])
+    if num_hidden_layers is not None:
+        config["num_hidden_layers"] = num_hidden_layers
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(SHAPES[name], f, indent=1)
+        json.dump(config, f, indent=1)
+    if tokenizer:
+        write_word_tokenizer(out_dir, config["vocab_size"], config["bos_token_id"], config["eos_token_id"])
     return out_dir
 
 
+def write_word_tokenizer(out_dir: str, vocab_size: int, bos_id: int, eos_id: int) -> None:
+    """One token per space-separated word ("▁the", ..., "▁w1234"), SentencePiece-style spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxserve.bench.serve import _WORDS  # the words of `bench serve`'s random prompts
+
+    words = list(dict.fromkeys(_WORDS))
+    unk_id = min(set(range(3)) - {bos_id, eos_id})
+    special = {unk_id: "<unk>", bos_id: "<|begin_of_text|>", eos_id: "<|end_of_text|>"}
+    vocab, k = {}, 0
+    for i in range(vocab_size):
+        if i in special:
+            vocab[special[i]] = i
+        else:
+            vocab[f"▁{words[k]}" if k < len(words) else f"▁w{i}"] = i
+            k += 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[bos_id], eos_token=special[eos_id],
+                            unk_token="<unk>").save_pretrained(out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m jaxserve.bench.model_shapes", description=__doc__.split("\n")[0])
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("out_dir")
+    p.add_argument("--num-hidden-layers", type=int, default=None, help="fewer layers, same widths (quick runs)")
+    p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false", help="config.json only")
+    ns = p.parse_args(argv)
+    print(write_shape(ns.shape, ns.out_dir, ns.num_hidden_layers, ns.tokenizer))
+
+
 if __name__ == "__main__":
-    print(write_shape(sys.argv[1], sys.argv[2]))
+    main()

@@ -2,7 +2,11 @@
 
 With --compare-hf the same prompts run through transformers' `generate` in static batches (EOS ignored,
 each batch padded on the left and run to its longest requested output) in a subprocess of the same job,
-and the ratio of asked-for output tokens per second is reported.
+and the ratio of asked-for output tokens per second is reported (HF runs in the engine's dtype).
+
+--roofline adds the workload's roofline (jaxserve.bench.roofline.offline: model FLOPs at a matmul rate and
+bytes at a copy rate, both measured in this job before the engine is built) and the fraction reached.
+--single-stream also runs `bench latency`'s measurement on the same engine (one engine start, not two).
 """
 
 from __future__ import annotations
@@ -10,12 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
-import subprocess
-import sys
-import tempfile
 import time
+
+from jaxserve.bench.latency import add_single_stream_args
 
 
 def add_parser(bench_sub, add_engine_args) -> None:
@@ -29,6 +31,12 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--compare-hf", "--compare_hf", dest="compare_hf", action="store_true",
                    help="also run HF transformers generate (static batches) on the same prompts (needs torch)")
     p.add_argument("--hf-batch-size", "--hf_batch_size", dest="hf_batch_size", type=int, default=16)
+    p.add_argument("--roofline", action="store_true",
+                   help="measure the matmul and copy rates and report the workload's roofline and the fraction reached")
+    p.add_argument("--single-stream", "--single_stream", dest="single_stream", action="store_true",
+                   help="also measure single-stream decode (as `bench latency`) on the same engine")
+    add_single_stream_args(p, prefix="single-stream")
+    p.add_argument("--quick", action="store_true", help="small roofline measurements (smoke runs, CPU tests)")
     p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -37,23 +45,34 @@ def add_parser(bench_sub, add_engine_args) -> None:
 def run(ns: argparse.Namespace) -> int:
     import jax
 
+    from jaxserve.bench import latency, roofline
+    from jaxserve.bench.hf_generate import run_in_subprocess
     from jaxserve.bench.workload import dataset_workload, random_workload
     from jaxserve.cli import engine_args_from
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
     args = engine_args_from(ns)
+    path, cfg = latency.model_path_and_config(args)
+    if ns.dataset:
+        from jaxserve.model_loader import load_tokenizer
+
+        work = dataset_workload(ns.dataset, load_tokenizer(path, args.tokenizer), ns.output_len)
+    else:
+        # Stay clear of special tokens at the top of small vocabularies.
+        work = random_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, cfg.vocab_size, seed=0,
+                               token_range=(100, min(cfg.vocab_size, 32000)))
+    dtype = latency.resolve_dtype(args.dtype)
+    # HF first, each run in a process of its own, while no JAX process holds the device's memory.
+    hf = run_in_subprocess(path, work, ns.hf_batch_size, dtype) if ns.compare_hf else None
+    if ns.single_stream:
+        single_work, single_hf = latency.prepare(ns, "single_stream_", path, cfg, dtype)
+    # Measured before the engine exists: its KV cache takes most of the device memory.
+    rates = roofline.measure_rates(dtype, quick=ns.quick) if ns.roofline or ns.single_stream else None
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(args))
     startup_s = time.perf_counter() - t0
     engine = llm.llm_engine
-    vocab = engine.text_config.vocab_size
-    if ns.dataset:
-        work = dataset_workload(ns.dataset, llm.get_tokenizer(), ns.output_len)
-    else:
-        # Stay clear of special tokens at the top of small vocabularies.
-        work = random_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab, seed=0,
-                               token_range=(100, min(vocab, 32000)))
     prompts = [{"prompt_token_ids": w.prompt_token_ids} for w in work]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=w.output_len) for w in work]
 
@@ -67,6 +86,9 @@ def run(ns: argparse.Namespace) -> int:
         "engine": "jaxserve",
         "model": engine.model_config.served_model_name,
         "num_prompts": len(work),
+        # The workload's flags (a --dataset run has none); `bench ablation --reuse` checks them.
+        "workload": None if ns.dataset else dict(num_prompts=ns.num_prompts, input_len=ns.input_len,
+                                                 output_len=ns.output_len, range_ratio=ns.range_ratio),
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
         "elapsed_s": elapsed,
@@ -75,6 +97,7 @@ def run(ns: argparse.Namespace) -> int:
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
         "startup_s": startup_s,
         "engine_info": engine.info(),
+        "engine_args": dataclasses.asdict(args),
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "python": platform.python_version(),
@@ -84,8 +107,18 @@ def run(ns: argparse.Namespace) -> int:
         f"jaxserve: {len(work)} requests in {elapsed:.2f}s: {result['requests_per_s']:.2f} req/s, "
         f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s"
     )
-    if ns.compare_hf:
-        hf = _run_hf_baseline(engine.model_config.model, work, ns.hf_batch_size)
+    if ns.roofline:
+        sc = engine.scheduler_config
+        roof = roofline.offline(engine.text_config, dtype, work, sc.max_num_seqs, sc.max_num_batched_tokens, rates)
+        result["roofline"] = roof
+        result["roofline_fraction"] = result["output_tokens_per_s"] / roof["output_tokens_per_s"]
+        print(f"roofline ({roofline.format_rates(rates)}): {roof['output_tokens_per_s']:.1f} output tok/s "
+              f"({roof['bound']}-bound: {roof['flops'] / 1e12:.1f} TFLOP in {roof['flops_s']:.2f} s, "
+              f"{roof['bytes'] / 1e9:.1f} GB in {roof['bytes_s']:.2f} s) -> {100 * result['roofline_fraction']:.0f}% reached")
+    if ns.single_stream:
+        result["single_stream"] = latency.finish(llm, single_work, single_hf, dtype, rates["copy_bytes_per_s"])
+        print(latency.describe(result["single_stream"]))
+    if hf is not None:
         result["hf"] = hf
         result["speedup_vs_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
         print(
@@ -98,16 +131,3 @@ def run(ns: argparse.Namespace) -> int:
             json.dump(result, f, indent=1)
     return 0
 
-
-def _run_hf_baseline(model_path: str, work, batch_size: int) -> dict:
-    """Run jaxserve/bench/hf_generate.py in a subprocess (torch stays out of this process)."""
-    with tempfile.TemporaryDirectory() as d:
-        req = os.path.join(d, "work.json")
-        res = os.path.join(d, "result.json")
-        with open(req, "w") as f:
-            json.dump({"model": model_path, "batch_size": batch_size,
-                       "requests": [[w.prompt_token_ids, w.output_len] for w in work]}, f)
-        cmd = [sys.executable, "-m", "jaxserve.bench.hf_generate", req, res]
-        subprocess.run(cmd, check=True)
-        with open(res) as f:
-            return json.load(f)
