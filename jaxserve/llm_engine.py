@@ -240,6 +240,8 @@ class LLMEngine:
             "model": self.model_config.served_model_name,
             "dtype": self.model_config.dtype,
             "max_model_len": self.model_config.max_model_len,
+            "max_num_seqs": self.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
             "num_kv_blocks": self.runner.num_blocks,
             "block_size": self.runner.block_size,
             "kv_cache_gib": round(self.runner.kv_cache_bytes / (1 << 30), 3),
