@@ -19,6 +19,7 @@ def load_dummy_model(
     attention_fn: AttentionFn,
     seed: int = 0,
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
+    fp32_matmul_precision: str = "highest",
 ) -> nnx.Module:
     """A model with HF-style random initialisation (projections ~ N(0, 0.02), norms 1), so activations
     and logits stay finite.
@@ -27,12 +28,14 @@ def load_dummy_model(
     through host memory. ``shardings_fn(abstract_model)`` may return a state-shaped tree of shardings
     to create them already sharded.
     """
-    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn)
+    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision)
     graphdef, _ = nnx.split(abstract)
     shardings = shardings_fn(abstract) if shardings_fn is not None else None
 
     def init():
-        model = build_model(cfg, dtype=dtype, attention_fn=attention_fn, rngs=nnx.Rngs(seed))
+        model = build_model(
+            cfg, dtype=dtype, attention_fn=attention_fn, rngs=nnx.Rngs(seed), fp32_matmul_precision=fp32_matmul_precision
+        )
         return nnx.split(model)[1]  # the state; the graphdef is static and already known
 
     state = jax.jit(init, out_shardings=shardings)()
