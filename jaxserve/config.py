@@ -75,10 +75,8 @@ class EngineArgs:
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {DTYPES}")
         if self.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS:
-            raise bad(
-                "fp32_matmul_precision",
-                f"choose one of {FP32_MATMUL_PRECISIONS} ('highest': true float32; 'tf32': TF32 matmuls on NVIDIA GPUs)",
-            )
+            want = "'highest' (true float32) or 'tf32' (TF32 matmuls on NVIDIA GPUs: faster, less exact)"
+            raise bad("fp32_matmul_precision", f"choose one of {FP32_MATMUL_PRECISIONS}: {want}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"only {KV_CACHE_DTYPES} is implemented so far (fp8 KV cache is planned)")
         if self.load_format not in LOAD_FORMATS:

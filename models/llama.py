@@ -33,8 +33,9 @@ class LlamaAttention(nnx.Module):
     """Multi-head attention with grouped KV heads over the paged cache."""
 
     def __init__(
-        self, cfg: TextModelConfig, layer_idx: int, *, dtype, param_dtype, attention_fn: AttentionFn, precision=None, rngs
-    ):
+        self, cfg: TextModelConfig, layer_idx: int, *, dtype, param_dtype, attention_fn: AttentionFn, rngs,
+        precision=None,
+    ):  # fmt: skip
         d, h, k, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         precision = precision if precision is not None else matmul_precision(dtype)
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)

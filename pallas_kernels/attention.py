@@ -64,7 +64,8 @@ def get_attention_fn(name: str, platform: str) -> AttentionFn:
     # step runs the same. Measured: tracing the xla backend's loops 30 times was ~1.2 s of each shape's
     # start-up on CPU; lowered per layer, the Mosaic GPU prefill kernel was built 32 times per step shape of
     # an 8B model (~2.9 s each on the H200: 105 s per shape instead of ~16 s).
-    return jax.jit(_backend_fn(resolve_backend(name, platform), platform), static_argnames=("scale", "sliding_window", "precision"))
+    fn = _backend_fn(resolve_backend(name, platform), platform)
+    return jax.jit(fn, static_argnames=("scale", "sliding_window", "precision"))
 
 
 def _backend_fn(backend: str, platform: str) -> AttentionFn:

@@ -28,14 +28,13 @@ def load_dummy_model(
     through host memory. ``shardings_fn(abstract_model)`` may return a state-shaped tree of shardings
     to create them already sharded.
     """
-    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision)
+    kw = dict(dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision)
+    abstract = abstract_model(cfg, **kw)
     graphdef, _ = nnx.split(abstract)
     shardings = shardings_fn(abstract) if shardings_fn is not None else None
 
     def init():
-        model = build_model(
-            cfg, dtype=dtype, attention_fn=attention_fn, rngs=nnx.Rngs(seed), fp32_matmul_precision=fp32_matmul_precision
-        )
+        model = build_model(cfg, rngs=nnx.Rngs(seed), **kw)
         return nnx.split(model)[1]  # the state; the graphdef is static and already known
 
     state = jax.jit(init, out_shardings=shardings)()

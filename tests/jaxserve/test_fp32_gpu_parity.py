@@ -110,7 +110,7 @@ def test_float32_logits_match_float64(mistral, backend):
     want = float64_logits(mistral, PROMPT)
     err = relative_error(jaxserve_logits(mistral, backend), want)
     tf32_err = relative_error(jaxserve_logits(mistral, backend, "tf32"), want)
-    print(f"\n{backend}: float32 logits vs float64, relative error {err:.2e} (fp32_matmul_precision='tf32': {tf32_err:.2e})")
+    print(f"\n{backend}: float32 logits vs float64, relative error {err:.2e} (with 'tf32': {tf32_err:.2e})")
     assert err < LOGITS_TOL, f"{backend}: relative error {err:.2e} (TF32 somewhere? tf32 option gives {tf32_err:.2e})"
 
 
@@ -125,12 +125,16 @@ def _greedy(path: str, backend: str, fp32_matmul_precision: str) -> list[int]:
     return out.outputs[0].token_ids
 
 
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float32_greedy_tokens_match_hf(mistral, backend):
     want = hf_greedy(mistral, PROMPT, NEW_TOKENS, ignore_eos=True)
     got = _greedy(mistral, backend, "highest")
-    assert got == want, f"{backend}: first difference at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    assert got == want, f"{backend}: first difference at token {_first_difference(got, want)}"
     tf32 = _greedy(mistral, backend, "tf32")  # allowed to differ: printed, not asserted
-    diff = next((i for i, (a, b) in enumerate(zip(tf32, want)) if a != b), None)
-    print(f"\n{backend}: fp32_matmul_precision='tf32' greedy tokens " + ("equal HF's" if diff is None else f"differ from token {diff}"))
+    diff = _first_difference(tf32, want)
+    print(f"\n{backend}: 'tf32' greedy tokens " + ("equal HF's" if diff is None else f"differ from token {diff}"))
     assert len(tf32) == NEW_TOKENS

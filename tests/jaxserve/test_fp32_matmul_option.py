@@ -25,7 +25,8 @@ def test_default_is_true_float32():
 
 
 def test_bad_value_names_the_option_and_the_choices():
-    with pytest.raises(ValueError, match=r"fp32_matmul_precision='high' is invalid: choose one of \('highest', 'tf32'\)"):
+    want = r"fp32_matmul_precision='high' is invalid: choose one of \('highest', 'tf32'\)"
+    with pytest.raises(ValueError, match=want):
         EngineArgs(fp32_matmul_precision="high").validate()
 
 

@@ -29,7 +29,8 @@ def test_matmul_precision_from_dtype_and_option():
     for dtype in (jnp.bfloat16, jnp.float16):
         for option in precision.FP32_MATMUL_PRECISIONS:
             assert precision.matmul_precision(dtype, option) is None  # JAX's default: programs unchanged
-    with pytest.raises(ValueError, match=r"fp32_matmul_precision='high' is invalid: choose one of \('highest', 'tf32'\)"):
+    want = r"fp32_matmul_precision='high' is invalid: choose one of \('highest', 'tf32'\)"
+    with pytest.raises(ValueError, match=want):
         precision.matmul_precision(jnp.float32, "high")
 
 
