@@ -47,8 +47,9 @@ def load_model(
     ``fp32_matmul_precision`` is how a float32 model's matmuls run (jaxserve.pallas_kernels.precision)."""
     from jaxserve.models.config import TextModelConfig
 
-    kw = dict(dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn)
-    kw["fp32_matmul_precision"] = fp32_matmul_precision
+    kw = dict(
+        dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn, fp32_matmul_precision=fp32_matmul_precision
+    )
 
     if fmt == "safetensors":
         from jaxserve.models.loader.hf import load_hf_model
