@@ -12,6 +12,8 @@ from jaxserve.config import EngineArgs
 _HELP = {
     "model": "HF model directory, .gguf file, or omit for the embedded default (SmolLM2-135M-Instruct)",
     "dtype": "auto (bfloat16 on GPU/TPU, float32 on CPU), float32, bfloat16, float16",
+    "fp32_matmul_precision": "how float32 models multiply: highest (true float32, as PyTorch/HF) or tf32 (TF32 "
+    "tensor cores on NVIDIA GPUs: faster, ~1e-3 relative error); bf16/fp16 models ignore it",
     "max_model_len": "context length (default: the model's)",
     "max_num_seqs": "most sequences in one step (default 256 on accelerators, 64 on CPU)",
     "max_num_batched_tokens": "token budget of one step (default 2048 on accelerators, 256 on CPU)",

@@ -13,6 +13,9 @@ from typing import Any, Optional
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",)
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# How float32 matmuls run (jaxserve.pallas_kernels.precision, which this mirrors without importing JAX):
+# "highest" is true float32, as PyTorch computes by default; "tf32" lets NVIDIA GPUs round inputs to TF32.
+FP32_MATMUL_PRECISIONS = ("highest", "tf32")
 
 
 @dataclasses.dataclass
@@ -23,6 +26,7 @@ class EngineArgs:
     tokenizer: Optional[str] = None  # defaults to the model's own
     served_model_name: Optional[str] = None
     dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
+    fp32_matmul_precision: str = "highest"  # highest | tf32: float32 models only (faster, ~1e-3 relative error)
     max_model_len: Optional[int] = None  # defaults to the model's max_position_embeddings
     max_num_seqs: Optional[int] = None  # defaults: 256 on accelerators, 64 on CPU
     max_num_batched_tokens: Optional[int] = None  # defaults: 2048 on accelerators, 256 on CPU
@@ -72,6 +76,9 @@ class EngineArgs:
 
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {DTYPES}")
+        if self.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS:
+            want = "'highest' (true float32) or 'tf32' (TF32 matmuls on NVIDIA GPUs: faster, less exact)"
+            raise bad("fp32_matmul_precision", f"choose one of {FP32_MATMUL_PRECISIONS}: {want}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"only {KV_CACHE_DTYPES} is implemented so far (fp8 KV cache is planned)")
         if self.load_format not in LOAD_FORMATS:
@@ -110,6 +117,7 @@ class ModelConfig:
     dtype: str  # "float32" | "bfloat16" | "float16" (resolved)
     max_model_len: int
     seed: int
+    fp32_matmul_precision: str = "highest"  # "highest" | "tf32"; matters only when dtype is float32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     t0 = time.perf_counter()
     model, text_config = load_model(
         path, fmt, dtype=jnp.dtype(dtype), attention_fn=attention_fn, seed=args.seed,
-        shardings_fn=sharding.shardings_fn(mesh),
+        shardings_fn=sharding.shardings_fn(mesh), fp32_matmul_precision=args.fp32_matmul_precision,
     )
     load_s = time.perf_counter() - t0
     tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
@@ -108,7 +108,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     max_num_seqs = min(max_num_seqs, max_batched)
 
     served = args.served_model_name or _default_served_name(args.model, path)
-    model_config = ModelConfig(path, fmt, served, dtype, max_model_len, args.seed)
+    model_config = ModelConfig(path, fmt, served, dtype, max_model_len, args.seed, args.fp32_matmul_precision)
     cache_config = CacheConfig(
         args.block_size, args.gpu_memory_utilization, args.num_gpu_blocks_override, args.cpu_kv_cache_space,
         args.kv_cache_dtype, args.enable_prefix_caching,

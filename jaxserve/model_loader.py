@@ -40,29 +40,34 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
     )
 
 
-def load_model(path: str, fmt: str, *, dtype, attention_fn, seed: int = 0, shardings_fn=None):
-    """Returns (model, TextModelConfig). ``shardings_fn(abstract_model)`` places parameters as they load (TP)."""
+def load_model(
+    path: str, fmt: str, *, dtype, attention_fn, seed: int = 0, shardings_fn=None, fp32_matmul_precision="highest"
+):
+    """Returns (model, TextModelConfig). ``shardings_fn(abstract_model)`` places parameters as they load (TP);
+    ``fp32_matmul_precision`` is how a float32 model's matmuls run (jaxserve.pallas_kernels.precision)."""
     from jaxserve.models.config import TextModelConfig
+
+    kw = dict(
+        dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn, fp32_matmul_precision=fp32_matmul_precision
+    )
 
     if fmt == "safetensors":
         from jaxserve.models.loader.hf import load_hf_model
 
-        return load_hf_model(path, dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn)
+        return load_hf_model(path, **kw)
     if fmt == "gguf":
         from jaxserve.models.loader.gguf import read_gguf
         from jaxserve.models.loader.weights import load_from_hf_tensors
 
         ckpt = read_gguf(path)
         cfg = TextModelConfig.from_hf_config(ckpt.hf_config)
-        model = load_from_hf_tensors(
-            cfg, ckpt.tensors(), dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn
-        )
+        model = load_from_hf_tensors(cfg, ckpt.tensors(), **kw)
         return model, cfg
     if fmt == "dummy":
         from jaxserve.models.loader.dummy import load_dummy_model
 
         cfg = read_text_config(path)
-        model = load_dummy_model(cfg, dtype=dtype, attention_fn=attention_fn, seed=seed, shardings_fn=shardings_fn)
+        model = load_dummy_model(cfg, seed=seed, **kw)
         return model, cfg
     raise ValueError(f"unknown model format {fmt!r}")
 

@@ -145,8 +145,8 @@ def shard_attention(attention_fn: Callable, mesh: Mesh) -> Callable:
     q_spec, kv_spec = logical_spec(Q_AXES), logical_spec(KV_NEW_AXES)
     pages_spec = logical_spec(KV_CACHE_AXES)
 
-    def sharded(q, k_new, v_new, k_pages, v_pages, md, *, scale: float, sliding_window=None):
-        per_device = functools.partial(attention_fn, scale=scale, sliding_window=sliding_window)
+    def sharded(q, k_new, v_new, k_pages, v_pages, md, *, scale: float, sliding_window=None, precision=None):
+        per_device = functools.partial(attention_fn, scale=scale, sliding_window=sliding_window, precision=precision)
         return jax.shard_map(
             per_device,
             mesh=mesh,

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.config import TextModelConfig
+from jaxserve.pallas_kernels.precision import matmul_precision
 
 # HF initialises projections with normal(0, initializer_range=0.02); dummy weights use the same scale.
 _INIT_STD = 0.02
@@ -43,7 +44,11 @@ def _param(rngs: nnx.Rngs | None, shape, param_dtype, axes: tuple[str | None, ..
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). ``kernel`` is [in, out]: Hugging Face's [out, in] weight transposed."""
+    """y = x @ kernel (+ bias). ``kernel`` is [in, out]: Hugging Face's [out, in] weight transposed.
+
+    ``precision`` of the product: None picks it from ``dtype`` (``matmul_precision``: float32 is exact on a
+    GPU too, not TF32). Static, like ``dtype``: part of the graphdef.
+    """
 
     def __init__(
         self,
@@ -54,24 +59,27 @@ class Linear(nnx.Module):
         use_bias: bool = False,
         dtype,
         param_dtype,
+        precision: jax.lax.Precision | None = None,
         rngs: nnx.Rngs,
     ):
         self.dtype = dtype
+        self.precision = precision if precision is not None else matmul_precision(dtype)
         self.kernel = _param(rngs, (in_features, out_features), param_dtype, axes, "normal")
         self.bias = _param(rngs, (out_features,), param_dtype, axes[1:], "zeros") if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x [T, in] -> [T, out]
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))  # [T, out]
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), precision=self.precision)  # [T, out]
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
 
 
 class Embed(nnx.Module):
-    """Token embedding table [V, D]; ``attend`` reuses it as a tied output head."""
+    """Token embedding table [V, D]; ``attend`` reuses it as a tied output head (``precision`` as in Linear)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, param_dtype, precision=None, rngs: nnx.Rngs):
         self.dtype = dtype
+        self.precision = precision if precision is not None else matmul_precision(dtype)
         self.embedding = _param(rngs, (vocab_size, hidden_size), param_dtype, ("vocab", "embed"), "normal")
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # ids [T] int32 -> [T, D]
@@ -79,7 +87,7 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:  # x [S, D] -> logits [S, V] float32
         table = self.embedding[...]  # [V, D]
-        return jnp.dot(x.astype(table.dtype), table.T, preferred_element_type=jnp.float32)
+        return jnp.dot(x.astype(table.dtype), table.T, precision=self.precision, preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):
@@ -100,8 +108,8 @@ class RMSNorm(nnx.Module):
 class GatedMLP(nnx.Module):
     """down(silu(gate(x)) * up(x)): the SwiGLU feed-forward of Llama-family models."""
 
-    def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, precision=None, rngs: nnx.Rngs):
+        kw = dict(use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(d, f, axes=("embed", "mlp"), **kw)
         self.up_proj = Linear(d, f, axes=("embed", "mlp"), **kw)

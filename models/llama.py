@@ -24,6 +24,7 @@ from jaxserve.models.config import TextModelConfig
 from jaxserve.models.layers import Embed, GatedMLP, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from jaxserve.pallas_kernels.attention import AttentionFn
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
+from jaxserve.pallas_kernels.precision import matmul_precision
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_blocks, block_size, K, Dh]
 
@@ -31,9 +32,13 @@ KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_blocks, b
 class LlamaAttention(nnx.Module):
     """Multi-head attention with grouped KV heads over the paged cache."""
 
-    def __init__(self, cfg: TextModelConfig, layer_idx: int, *, dtype, param_dtype, attention_fn: AttentionFn, rngs):
+    def __init__(
+        self, cfg: TextModelConfig, layer_idx: int, *, dtype, param_dtype, attention_fn: AttentionFn, rngs,
+        precision=None,
+    ):  # fmt: skip
         d, h, k, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        precision = precision if precision is not None else matmul_precision(dtype)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.q_proj = Linear(d, h * dh, axes=("embed", "q_heads"), use_bias=cfg.attention_bias, **kw)
         self.k_proj = Linear(d, k * dh, axes=("embed", "kv_heads"), use_bias=cfg.attention_bias, **kw)
         self.v_proj = Linear(d, k * dh, axes=("embed", "kv_heads"), use_bias=cfg.attention_bias, **kw)
@@ -49,6 +54,7 @@ class LlamaAttention(nnx.Module):
         self.scale = dh**-0.5
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.attention_fn = attention_fn
+        self.precision = precision  # of the attention's products too: a float32 model is float32 throughout
 
     def __call__(
         self,
@@ -66,7 +72,7 @@ class LlamaAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, k_pages, v_pages = self.attention_fn(
-            q, k, v, kv[0], kv[1], md, scale=self.scale, sliding_window=self.sliding_window
+            q, k, v, kv[0], kv[1], md, scale=self.scale, sliding_window=self.sliding_window, precision=self.precision
         )  # out [T, H, Dh]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_pages, v_pages)
 
@@ -74,13 +80,12 @@ class LlamaAttention(nnx.Module):
 class LlamaDecoderLayer(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, cfg: TextModelConfig, layer_idx: int, *, dtype, param_dtype, attention_fn, rngs):
+    def __init__(self, cfg: TextModelConfig, layer_idx: int, *, dtype, param_dtype, attention_fn, precision=None, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = LlamaAttention(
-            cfg, layer_idx, dtype=dtype, param_dtype=param_dtype, attention_fn=attention_fn, rngs=rngs
-        )
+        self.self_attn = LlamaAttention(cfg, layer_idx, attention_fn=attention_fn, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = GatedMLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = GatedMLP(cfg, **kw)
 
     def __call__(self, x, cos, sin, kv: KVCache, md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         # x [T, D] -> [T, D]
@@ -93,13 +98,11 @@ class LlamaDecoderLayer(nnx.Module):
 class LlamaModel(nnx.Module):
     """Embedding, the decoder stack (unrolled: a Python loop over an nnx.List) and the final norm."""
 
-    def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, attention_fn, rngs):
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, attention_fn, precision=None, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nnx.List(
-            [
-                LlamaDecoderLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, attention_fn=attention_fn, rngs=rngs)
-                for i in range(cfg.num_hidden_layers)
-            ]
+            [LlamaDecoderLayer(cfg, i, attention_fn=attention_fn, **kw) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
 
@@ -110,18 +113,31 @@ class LlamaForCausalLM(nnx.Module):
     ``__call__`` runs the decoder on a flat ragged batch and returns final-normed hidden states;
     ``compute_logits`` turns the few rows the sampler needs into float32 logits, so the [T, V] logits
     of a long prefill are never materialised.
+
+    Every matmul (projections, attention, logits) runs at ``matmul_precision(dtype, fp32_matmul_precision)``:
+    a float32 model computes float32 on a GPU too unless ``fp32_matmul_precision="tf32"``; bf16 and fp16
+    models take JAX's default.
     """
 
-    def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, attention_fn: AttentionFn, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: TextModelConfig,
+        *,
+        dtype,
+        param_dtype,
+        attention_fn: AttentionFn,
+        rngs: nnx.Rngs,
+        fp32_matmul_precision: str = "highest",
+    ):
         self.config = cfg
         _inv_freq(cfg)  # a bad rope_scaling dict fails here, at build time, not in the first step
-        self.model = LlamaModel(cfg, dtype=dtype, param_dtype=param_dtype, attention_fn=attention_fn, rngs=rngs)
+        precision = matmul_precision(dtype, fp32_matmul_precision)  # a bad value fails here too
+        kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.model = LlamaModel(cfg, attention_fn=attention_fn, **kw)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(
-                cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), dtype=dtype, param_dtype=param_dtype, rngs=rngs
-            )
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), **kw)
 
     def __call__(
         self,
@@ -143,7 +159,9 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is None:
             return self.model.embed_tokens.attend(hidden)
         kernel = self.lm_head.kernel[...]  # [D, V]
-        return jnp.dot(hidden.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+        return jnp.dot(
+            hidden.astype(kernel.dtype), kernel, precision=self.lm_head.precision, preferred_element_type=jnp.float32
+        )
 
 
 @functools.lru_cache(maxsize=None)

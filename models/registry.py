@@ -23,14 +23,29 @@ def model_class(cfg: TextModelConfig) -> type[nnx.Module]:
         ) from None
 
 
-def build_model(cfg: TextModelConfig, *, dtype, attention_fn: AttentionFn, rngs: nnx.Rngs) -> nnx.Module:
-    """A model with freshly initialised (random, HF-scale) parameters stored in ``dtype``."""
-    return model_class(cfg)(cfg, dtype=dtype, param_dtype=dtype, attention_fn=attention_fn, rngs=rngs)
+def build_model(
+    cfg: TextModelConfig, *, dtype, attention_fn: AttentionFn, rngs: nnx.Rngs, fp32_matmul_precision: str = "highest"
+) -> nnx.Module:
+    """A model with freshly initialised (random, HF-scale) parameters stored in ``dtype``.
+
+    ``fp32_matmul_precision`` ("highest" or "tf32") is how a float32 model's matmuls run on a GPU
+    (see jaxserve.pallas_kernels.precision); other dtypes ignore it.
+    """
+    return model_class(cfg)(
+        cfg, dtype=dtype, param_dtype=dtype, attention_fn=attention_fn, rngs=rngs,
+        fp32_matmul_precision=fp32_matmul_precision,
+    )  # fmt: skip
 
 
-def abstract_model(cfg: TextModelConfig, *, dtype, attention_fn: AttentionFn) -> nnx.Module:
+def abstract_model(
+    cfg: TextModelConfig, *, dtype, attention_fn: AttentionFn, fp32_matmul_precision: str = "highest"
+) -> nnx.Module:
     """The model with ``jax.ShapeDtypeStruct`` in place of every parameter: no memory, no compute.
 
     Loaders use it to learn each parameter's path, shape and dtype, then fill in real weights.
     """
-    return nnx.eval_shape(lambda: build_model(cfg, dtype=dtype, attention_fn=attention_fn, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(
+        lambda: build_model(
+            cfg, dtype=dtype, attention_fn=attention_fn, rngs=nnx.Rngs(0), fp32_matmul_precision=fp32_matmul_precision
+        )
+    )

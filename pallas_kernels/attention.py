@@ -15,6 +15,8 @@ ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 # Backends that gather context with jnp: they want context-width buckets and are split by XLA's partitioner.
 GATHER_BACKENDS = ("reference", "xla")
 
+# (q, k_new, v_new, k_pages, v_pages, md, *, scale, sliding_window, precision) -> (out, k_pages, v_pages);
+# precision (of the attention's products) None means "from q's dtype": float32 exact (see precision.py).
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
@@ -28,10 +30,13 @@ def paged_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    precision: jax.lax.Precision | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference backend: write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
-    out = ragged_paged_attention_reference(q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window)
+    out = ragged_paged_attention_reference(
+        q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision
+    )
     return out, k_pages, v_pages
 
 
@@ -59,7 +64,8 @@ def get_attention_fn(name: str, platform: str) -> AttentionFn:
     # step runs the same. Measured: tracing the xla backend's loops 30 times was ~1.2 s of each shape's
     # start-up on CPU; lowered per layer, the Mosaic GPU prefill kernel was built 32 times per step shape of
     # an 8B model (~2.9 s each on the H200: 105 s per shape instead of ~16 s).
-    return jax.jit(_backend_fn(resolve_backend(name, platform), platform), static_argnames=("scale", "sliding_window"))
+    fn = _backend_fn(resolve_backend(name, platform), platform)
+    return jax.jit(fn, static_argnames=("scale", "sliding_window", "precision"))
 
 
 def _backend_fn(backend: str, platform: str) -> AttentionFn:

@@ -97,11 +97,16 @@ def paged_attention_pallas(
     *,
     scale: float,
     sliding_window: int | None = None,
+    precision: jax.lax.Precision | None = None,
     platform: str = "gpu",
     interpret: bool = False,
     config: GpuKernelConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages)."""
+    """Write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages).
+
+    ``precision`` goes to the Triton kernels' products (None: from q's dtype, float32 exact). The TPU op
+    takes none, and the Mosaic prefill takes only bf16/fp16 (a float32 prefill runs in the Triton kernel).
+    """
     if platform == "tpu":
         from jaxserve.pallas_kernels.tpu_ragged_adapter import ragged_paged_attention_tpu
 
@@ -116,8 +121,9 @@ def paged_attention_pallas(
     else:
         k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
     out = ragged_attention_gpu(
-        q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, interpret=interpret, config=config
-    )
+        q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
+        interpret=interpret, config=config,
+    )  # fmt: skip
     return out, k_pages, v_pages
 
 
@@ -129,6 +135,7 @@ def ragged_attention_gpu(
     *,
     scale: float,
     sliding_window: int | None = None,
+    precision: jax.lax.Precision | None = None,
     interpret: bool = False,
     config: GpuKernelConfig | None = None,
 ) -> jax.Array:  # [T, H, D]
@@ -166,7 +173,7 @@ def ragged_attention_gpu(
         decode_attention, q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables,
         scale=scale, q_per_seq=q_per_seq, tile_tokens=dec_tile, num_splits=splits,
         sliding_window=sliding_window, v_mask=cfg.v_mask, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
-        heads_inner=cfg.decode_heads_inner, interpret=interpret,
+        heads_inner=cfg.decode_heads_inner, precision=precision, interpret=interpret,
     )  # fmt: skip
     max_prefill_seqs = t // (q_per_seq + 1)  # a prefill sequence has more than q_per_seq tokens
 
@@ -188,7 +195,7 @@ def ragged_attention_gpu(
             q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables, ~is_decode_seq,
             num_tokens=t, max_prefill_seqs=max_prefill_seqs, scale=scale, block_q=block_q,
             tile_tokens=pre_tile, sliding_window=sliding_window, v_mask=cfg.v_mask,
-            num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages, interpret=interpret,
+            num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages, precision=precision, interpret=interpret,
         )[:t, :, :g]  # fmt: skip  rows of prefill tokens
     dec = decode()[:t, :, :g]  # rows of decode tokens
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 
 # Large negative instead of -inf: a fully masked row (a padding token) then gives a finite, ignored output.
@@ -41,12 +42,15 @@ def ragged_paged_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    precision: jax.lax.Precision | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Causal attention of each new token over its own sequence's cached context.
 
     Each token gathers its sequence's pages (T x C x K x D): simple and exact, not fast. A kernel avoids
-    the gather; this is what it must agree with.
+    the gather; this is what it must agree with. ``precision`` (of both products): None picks it from q's
+    dtype (``precision.resolve``), so a float32 model's attention is float32 on a GPU too, not TF32.
     """
+    precision = prec.resolve(precision, q.dtype)
     t, h, d = q.shape
     _, p, kh, _ = k_pages.shape
     g = h // kh
@@ -58,7 +62,7 @@ def ragged_paged_attention_reference(
     v_ctx = v_pages[tables].reshape(t, c, kh, d)
     qg = q.reshape(t, kh, g, d).astype(jnp.float32)
 
-    scores = jnp.einsum("tkgd,tckd->tkgc", qg, k_ctx.astype(jnp.float32)) * scale  # [T, K, G, C]
+    scores = jnp.einsum("tkgd,tckd->tkgc", qg, k_ctx.astype(jnp.float32), precision=precision) * scale  # [T, K, G, C]
     ctx_pos = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
     q_pos = md.positions[:, None]  # [T, 1]
     seq_len = md.seq_lens[md.token_seq_ids][:, None]  # [T, 1]
@@ -68,5 +72,5 @@ def ragged_paged_attention_reference(
     scores = jnp.where(visible[:, None, None, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, None, None, :], probs, 0.0)
-    out = jnp.einsum("tkgc,tckd->tkgd", probs, v_ctx.astype(jnp.float32))
+    out = jnp.einsum("tkgc,tckd->tkgd", probs, v_ctx.astype(jnp.float32), precision=precision)
     return out.reshape(t, h, d).astype(q.dtype)

@@ -19,11 +19,6 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
 
-def dot_precision(dtype) -> lax.Precision | None:
-    """fp32 inputs get a true fp32 product (tf32 would cost ~1e-3 relative error); bf16 takes the default."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def load_kv_tile(pages_ref, tables_ref, seq, tok0, kv_head, tile_tokens: int, seq_len=None, mask_mode="none"):
     """K or V of context tokens [tok0, tok0 + TK) of one sequence and one KV head: [TK, D].
 
@@ -67,6 +62,8 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, precision):
     """One flash-attention update of (acc[M,D], m[M], l[M]) with a K/V tile of TK tokens.
 
     q: [M, D]; k, v: [TK, D]; visible: [M, TK] bool, or None when nothing in the tile is masked.
+    ``precision`` of both products: Triton runs HIGHEST float32 as IEEE float32, DEFAULT and HIGH as TF32;
+    bf16 operands ignore it.
     """
     acc, m_prev, l_prev = carry
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [M, TK] f32

@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels import triton_common as tc
 
 
@@ -44,6 +45,7 @@ def _decode_kernel(
     v_mask: str,
     heads_inner: bool,
     aliased: bool,
+    precision: lax.Precision | None,
 ):
     out_refs = refs[1:] if aliased else refs
     if heads_inner:
@@ -73,7 +75,6 @@ def _decode_kernel(
         lo = jnp.maximum(lo, (win_lo // tile_tokens) * tile_tokens)
     hi = jnp.minimum(seq_len, (split + 1) * tokens_per_split)
     n_tiles = jnp.where(active, pl.cdiv(jnp.maximum(hi - lo, 0), tile_tokens), 0)
-    precision = tc.dot_precision(q_ref.dtype)
 
     def body(i, carry):
         tok0 = lo + i * tile_tokens
@@ -157,6 +158,7 @@ def decode_attention(
     num_warps: int,
     num_stages: int,
     heads_inner: bool = True,
+    precision: lax.Precision | None = None,  # of the kernel's products; None: from q's dtype (precision.resolve)
     out: jax.Array | None = None,  # [T', K, Gp, D]: write the decode rows into this buffer (aliased)
     interpret: bool,
 ) -> jax.Array:  # `out` with the decode tokens' rows written, else a new [T + QA, K, Gp, D] holding only those
@@ -184,6 +186,7 @@ def decode_attention(
         v_mask=v_mask,
         heads_inner=heads_inner,
         aliased=aliased and single,
+        precision=prec.resolve(precision, q_p.dtype),
     )
     if single:
         out_shape = [out_struct]

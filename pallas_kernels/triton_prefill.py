@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels import triton_common as tc
 
 
@@ -57,6 +58,7 @@ def _prefill_kernel(
     tile_tokens: int,
     sliding_window: int | None,
     v_mask: str,
+    precision: lax.Precision | None,
 ):
     b, kh = pl.program_id(0), pl.program_id(1)
     head_dim = k_ref.shape[-1]
@@ -87,7 +89,6 @@ def _prefill_kernel(
         # Tiles every row sees in full (before the block's first position) skip the mask; only the
         # diagonal tiles (and every tile under a sliding window) pay for it.
         full_end = lo_tile if sliding_window is not None else jnp.minimum((pos0 + 1) // tile_tokens, end_tile)
-        precision = tc.dot_precision(q_ref.dtype)
 
         def body(tile, carry, masked: bool):
             t0 = tile * tile_tokens
@@ -129,6 +130,7 @@ def prefill_attention(
     v_mask: str,
     num_warps: int,
     num_stages: int,
+    precision: lax.Precision | None = None,  # of the kernel's products; None: from q's dtype (precision.resolve)
     interpret: bool,
 ) -> jax.Array:  # [T + BQ, K, Gp, D]; rows of tokens it does not own are unwritten
     s_count, width = block_tables.shape
@@ -151,6 +153,7 @@ def prefill_attention(
         tile_tokens=tile_tokens,
         sliding_window=sliding_window,
         v_mask=v_mask,
+        precision=prec.resolve(precision, q_p.dtype),
     )
     return pl.pallas_call(
         kernel,

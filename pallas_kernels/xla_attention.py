@@ -21,16 +21,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.reference import _MASK_VALUE, write_kv
 
 
-def _partial_softmax(scores: jax.Array, visible: jax.Array, values: jax.Array, eq: str):
+def _partial_softmax(scores: jax.Array, visible: jax.Array, values: jax.Array, eq: str, precision):
     """Unnormalised attention over one key set: (row max, row sum, weighted values), masked rows safe."""
     scores = jnp.where(visible, scores, _MASK_VALUE)
     m = scores.max(axis=-1)
     p = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
-    return m, p.sum(axis=-1), jnp.einsum(eq, p, values)
+    return m, p.sum(axis=-1), jnp.einsum(eq, p, values, precision=precision)
 
 
 def _merge(a, b):
@@ -51,8 +52,10 @@ def ragged_paged_attention_xla(
     *,
     scale: float,
     sliding_window: int | None = None,
+    precision: jax.lax.Precision | None = None,  # of every product; None: from q's dtype (precision.resolve)
 ) -> jax.Array:  # [T, H, D]
     t, h, d = q.shape
+    precision = prec.resolve(precision, q.dtype)
     _, p, kh, _ = k_pages.shape
     g = h // kh
     s, b = md.block_tables.shape
@@ -82,8 +85,9 @@ def ragged_paged_attention_xla(
         vis = ctx_pos[None, :] < lens[:, None]  # [ch, C]
         if sliding_window is not None:
             vis &= ctx_pos[None, :] > lens[:, None] - 1 - sliding_window
-        sc = jnp.einsum("skgd,sckd->skgc", jax.lax.dynamic_slice_in_dim(q_last, rows, ch), k_seq) * scale
-        _, l, o = _partial_softmax(sc, vis[:, None, None, :], v_seq, "skgc,sckd->skgd")
+        sc = jnp.einsum("skgd,sckd->skgc", jax.lax.dynamic_slice_in_dim(q_last, rows, ch), k_seq, precision=precision)
+        sc = sc * scale
+        _, l, o = _partial_softmax(sc, vis[:, None, None, :], v_seq, "skgc,sckd->skgd", precision)
         return jax.lax.dynamic_update_slice_in_dim(out_last, o / jnp.maximum(l, 1e-30)[..., None], rows, 0)
 
     num_chunks = ((md.seq_lens > 0).sum() + ch - 1) // ch  # real sequences come first
@@ -99,8 +103,8 @@ def ragged_paged_attention_xla(
     vis_new = (seq_of[:, None] == seq_of[None, :]) & (pos[None, :] <= pos[:, None]) & real_tok[None, :]  # [T, T]
     if sliding_window is not None:
         vis_new &= pos[None, :] > pos[:, None] - sliding_window
-    sc_new = jnp.einsum("kqd,kud->kqu", qk, kn).reshape(kh, t, g, t) * scale  # [K, T, G, T]
-    acc = _partial_softmax(sc_new, vis_new[None, :, None, :], vn, "ktgu,kud->ktgd")
+    sc_new = jnp.einsum("kqd,kud->kqu", qk, kn, precision=precision).reshape(kh, t, g, t) * scale  # [K, T, G, T]
+    acc = _partial_softmax(sc_new, vis_new[None, :, None, :], vn, "ktgu,kud->ktgd", precision)
 
     # 3. Cached context of multi-token sequences that have one: a loop over just those sequences.
     needs = (q_lens > 1) & (num_cached > 0)  # [S]
@@ -113,8 +117,8 @@ def ragged_paged_attention_xla(
         vis = (seq_of[:, None] == sid) & (ctx_pos[None, :] < num_cached[sid])  # [T, C]
         if sliding_window is not None:
             vis &= ctx_pos[None, :] > pos[:, None] - sliding_window
-        sc = jnp.einsum("kqd,kcd->kqc", qk, kc).reshape(kh, t, g, c) * scale  # [K, T, G, C]
-        return _merge(acc, _partial_softmax(sc, vis[None, :, None, :], vc, "ktgc,kcd->ktgd"))
+        sc = jnp.einsum("kqd,kcd->kqc", qk, kc, precision=precision).reshape(kh, t, g, c) * scale  # [K, T, G, C]
+        return _merge(acc, _partial_softmax(sc, vis[None, :, None, :], vc, "ktgc,kcd->ktgd", precision))
 
     _, l, o = jax.lax.fori_loop(0, needs.sum(), add_cached, acc)
     out_other = (o / jnp.maximum(l, 1e-30)[..., None]).transpose(1, 0, 2, 3)  # [T, K, G, D]
@@ -134,6 +138,7 @@ def paged_attention_xla(
     *,
     scale: float,
     sliding_window: int | None = None,
+    precision: jax.lax.Precision | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The 'xla' backend: write this step's KV, then attend. Returns (out[T,H,D], k_pages, v_pages).
 
@@ -141,5 +146,7 @@ def paged_attention_xla(
     old cache alive and copy it whole (measured ~7x slower on CPU).
     """
     k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
-    out = ragged_paged_attention_xla(q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window)
+    out = ragged_paged_attention_xla(
+        q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision
+    )
     return out, k_pages, v_pages

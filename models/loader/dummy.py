@@ -21,6 +21,7 @@ def load_dummy_model(
     attention_fn: AttentionFn,
     seed: int = 0,
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
+    fp32_matmul_precision: str = "highest",
 ) -> nnx.Module:
     """A model with HF-style random initialisation (projections and embeddings ~ N(0, 0.02), norm scales
     1, biases 0), so activations and logits stay finite.
@@ -30,7 +31,9 @@ def load_dummy_model(
     dtype, sharding), so the 32 layers of an 8B model share a handful of tiny programs: building one
     jitted function for the whole model instead took XLA ~100 s on an H200 to compile.
     """
-    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn)
+    abstract = abstract_model(
+        cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision
+    )
     graphdef, abstract_state = nnx.split(abstract)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     if shardings_fn is not None:

@@ -112,6 +112,7 @@ def load_hf_model(
     dtype,
     attention_fn: AttentionFn,
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
+    fp32_matmul_precision: str = "highest",
 ) -> tuple[nnx.Module, TextModelConfig]:
     """Build the model of a HF directory with its weights in ``dtype`` on device.
 
@@ -127,5 +128,6 @@ def load_hf_model(
             attention_fn=attention_fn,
             shardings_fn=shardings_fn,
             progress=ckpt.total_bytes > _PROGRESS_BYTES,
+            fp32_matmul_precision=fp32_matmul_precision,
         )
     return model, cfg

@@ -133,13 +133,14 @@ def load_from_hf_tensors(
     attention_fn: AttentionFn,
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
     progress: bool = False,
+    fp32_matmul_precision: str = "highest",
 ) -> nnx.Module:
     """Build ``cfg``'s model with weights from HF-named tensors (a mapping or a stream of pairs).
 
     ``shardings_fn(abstract_model)``, if given, returns the state-shaped shardings tree for
     ``load_weights``.
     """
-    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn)
+    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision)
     shardings = shardings_fn(abstract) if shardings_fn is not None else None
     return load_weights(
         abstract, tensors, tied_embeddings=cfg.tie_word_embeddings, shardings=shardings, progress=progress

@@ -1,0 +1,77 @@
+"""The attention backends' matmul precision: float32 exact by default, what the caller asks otherwise.
+
+Checked on the lowered StableHLO, where each dot carries its precision. For the Pallas backend that is the
+interpret-mode program, whose dots are the kernels' own ``plgpu.dot`` calls with the precision the Triton
+lowering would get (HIGHEST: IEEE float32; HIGH or DEFAULT: TF32). The Mosaic GPU prefill takes only
+bf16/fp16, so a float32 prefill must go to the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hlo_precision import dot_precisions
+
+from jaxserve import config
+from jaxserve.pallas_kernels import mosaic_prefill, precision
+from jaxserve.pallas_kernels.attention import get_attention_fn
+from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig, _use_mosaic_prefill
+from jaxserve.pallas_kernels.random_batch import make_batch
+
+HIGH, HIGHEST = jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST
+
+
+def test_matmul_precision_from_dtype_and_option():
+    assert precision.matmul_precision(jnp.float32) == HIGHEST
+    assert precision.matmul_precision(jnp.float32, "tf32") == HIGH
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for option in precision.FP32_MATMUL_PRECISIONS:
+            assert precision.matmul_precision(dtype, option) is None  # JAX's default: programs unchanged
+    want = r"fp32_matmul_precision='high' is invalid: choose one of \('highest', 'tf32'\)"
+    with pytest.raises(ValueError, match=want):
+        precision.matmul_precision(jnp.float32, "high")
+
+
+def test_config_mirrors_the_kernel_options():
+    # jaxserve.config keeps its own copy so that parsing flags imports no JAX.
+    assert config.FP32_MATMUL_PRECISIONS == precision.FP32_MATMUL_PRECISIONS
+
+
+# (dtype, precision passed) -> precision every dot of the backend must carry.
+CASES = [
+    (jnp.float32, None, "HIGHEST"),
+    (jnp.float32, HIGH, "HIGH"),
+    (jnp.float32, HIGHEST, "HIGHEST"),
+    (jnp.bfloat16, None, "DEFAULT"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("dtype,prec,want", CASES)
+def test_backend_dots_carry_the_precision(backend, dtype, prec, want):
+    # A decode and a prefill chunk with cached context: every route of every backend (Pallas: both kernels).
+    b = make_batch(
+        np.random.default_rng(0), q_lens=[1, 7], ctx_lens=[9, 12], num_heads=4, num_kv_heads=2, head_dim=16,
+        block_size=4, dtype=dtype,
+    )  # fmt: skip
+    fn = get_attention_fn(backend, "cpu")
+    text = (
+        jax.jit(lambda *a: fn(*a, scale=0.25, precision=prec))
+        .lower(b.q, b.k_new, b.v_new, b.k_pages, b.v_pages, b.md)
+        .as_text()
+    )
+    counts = dot_precisions(text)
+    assert set(counts) == {want} and counts[want] >= 2, counts
+
+
+def test_float32_prefill_never_takes_the_mosaic_kernel():
+    reason = mosaic_prefill.unsupported_reason(
+        head_dim=128, dtype=jnp.float32, page_size=16, block_kv=128, sliding_window=None, interpret=False
+    )
+    assert reason is not None and "float32" in reason
+    q = jnp.zeros((8, 4, 128), jnp.float32)
+    assert not _use_mosaic_prefill(GpuKernelConfig(), q, 16, None, interpret=False)  # "auto": Triton
+    with pytest.raises(ValueError, match="prefill_impl='mosaic' cannot run here: dtype float32"):
+        _use_mosaic_prefill(GpuKernelConfig(prefill_impl="mosaic"), q, 16, None, interpret=False)
