@@ -239,6 +239,7 @@ class LLMEngine:
         return {
             "model": self.model_config.served_model_name,
             "dtype": self.model_config.dtype,
+            "fp32_matmul_precision": self.model_config.fp32_matmul_precision,
             "max_model_len": self.model_config.max_model_len,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
