@@ -85,6 +85,7 @@ class EngineCoreClient:
         self.device_ids = device_ids
         self.stats: Any = None  # the replica's EngineStats after its last step (get_stats)
         self.ready: Optional[dict] = None  # the "ready" message's payload
+        self.error: Optional[EngineCoreError] = None  # set once the replica has failed
         cmd_r, cmd_w = os.pipe()
         out_r, out_w = os.pipe()
         argv = [sys.executable, "-m", "jaxserve.engine_core_proc", str(cmd_r), str(out_w)]
@@ -106,7 +107,10 @@ class EngineCoreClient:
         return self.stats
 
     def receive_all(self) -> list[tuple]:
-        """Every message that has arrived; raises EngineCoreError if the replica failed or died."""
+        """Every message that has arrived; raises EngineCoreError if the replica failed or died (again on
+        every later call: the caller may try to clean up, e.g. abort, after the first)."""
+        if self.error is not None:
+            raise self.error
         messages = []
         while True:
             try:
@@ -115,14 +119,15 @@ class EngineCoreClient:
                 msg = receive(self.conn)
             except (EOFError, OSError):
                 code = self.proc.wait()
-                raise EngineCoreError(
+                self.error = EngineCoreError(
                     f"data-parallel replica {self.index} (pid {self.proc.pid}) exited with code {code} "
                     "without reporting an error (killed, out of memory, or crashed in native code?)"
-                ) from None
+                )
+                raise self.error from None
             if msg[0] == "error":
-                _, error, text = msg
-                raise EngineCoreError(f"data-parallel replica {self.index} (pid {self.proc.pid}) failed:\n{text}") \
-                    from error
+                _, cause, text = msg
+                self.error = EngineCoreError(f"data-parallel replica {self.index} (pid {self.proc.pid}) failed:\n{text}")
+                raise self.error from cause
             messages.append(msg)
 
     def close(self, timeout: float = 10.0) -> None:
