@@ -173,6 +173,7 @@ class DPEngine:
         info = dict(self.replicas[0].ready["info"])
         info["data_parallel_size"] = len(self.replicas)
         info["replica_devices"] = [r.device_ids for r in self.replicas]
+        info["device_kind"] = self.replicas[0].ready["device_kind"]  # the router never starts the devices itself
         return info
 
     def collective_rpc(self, fn: Callable, *args: Any) -> list[Any]:

@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import sys
 import threading
 import traceback
@@ -110,6 +111,7 @@ def ready_message(engine, init: dict[str, Any]) -> tuple:
         "info": engine.info(),
         "stats": engine.get_stats(),
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
         "pid": os.getpid(),
     })
 
@@ -149,6 +151,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("out_fd", type=int)
     p.add_argument("--cpus", default="", help="comma-separated CPU cores to run on (set before JAX starts)")
     ns = p.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group: the router alone decides when a core stops
+    # (a "stop" command, or the end of its pipe when the router exits).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if ns.cpus:
         os.sched_setaffinity(0, [int(c) for c in ns.cpus.split(",")])
     commands = Connection(ns.cmd_fd, writable=False)

@@ -118,7 +118,11 @@ class EngineCoreClient:
                     return messages
                 msg = receive(self.conn)
             except (EOFError, OSError):
-                code = self.proc.wait()
+                try:
+                    code = self.proc.wait(30)  # its pipe closes as it exits
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    code = self.proc.wait()
                 self.error = EngineCoreError(
                     f"data-parallel replica {self.index} (pid {self.proc.pid}) exited with code {code} "
                     "without reporting an error (killed, out of memory, or crashed in native code?)"
@@ -126,7 +130,8 @@ class EngineCoreClient:
                 raise self.error from None
             if msg[0] == "error":
                 _, cause, text = msg
-                self.error = EngineCoreError(f"data-parallel replica {self.index} (pid {self.proc.pid}) failed:\n{text}")
+                where = f"data-parallel replica {self.index} (pid {self.proc.pid})"
+                self.error = EngineCoreError(f"{where} failed:\n{text}")
                 raise self.error from cause
             messages.append(msg)
 

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     ns = p.parse_args(argv)
     args = engine_args_from(ns)
+    if args.data_parallel_size > 1:
+        p.error("the step profile times one engine's steps in this process: drop --data-parallel-size "
+                "(data-parallel replicas run in processes of their own)")
     if ns.no_attention:
         from jaxserve.pallas_kernels import attention
 

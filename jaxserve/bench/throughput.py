@@ -75,7 +75,8 @@ def run(ns: argparse.Namespace) -> int:
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
         "startup_s": startup_s,
         "engine_info": engine.info(),
-        "device": str(jax.devices()[0].device_kind),
+        # A data-parallel router has not started JAX on the devices (its replicas hold them): ask them.
+        "device": engine.info().get("device_kind") or str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),

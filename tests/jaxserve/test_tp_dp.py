@@ -186,7 +186,8 @@ def test_dp_replica_failure_is_a_clear_error():
         (dict(tensor_parallel_size=4, data_parallel_size=4), r"needs 16 devices, but only 8"),
         (dict(data_parallel_size=0), r"data_parallel_size=0 is invalid"),
         # found by the replicas' processes while they build their engines: raised here as by one engine
-        (dict(data_parallel_size=2, max_model_len=4096), r"max_model_len=4096 exceeds the model's max_position_embeddings"),
+        (dict(data_parallel_size=2, max_model_len=4096),
+         r"max_model_len=4096 exceeds the model's max_position_embeddings"),
     ],
 )
 def test_invalid_parallel_sizes_fail_clearly(kwargs, match):
