@@ -128,6 +128,7 @@ class DPEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time  # monotonic: one clock for all processes
         tokenized = {"prompt": text, "prompt_token_ids": prompt_ids}  # the replica need not tokenize again
         self.replicas[index].send(("add", request_id, tokenized, params, arrival))
+        self.replicas[index].adds_sent += 1
         self._placements[request_id] = _Placement(index, len(prompt_ids) + max_new * params.n, text, prompt_ids)
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> list[RequestOutput]:
@@ -178,7 +179,8 @@ class DPEngine:
 
     def collective_rpc(self, fn: Callable, *args: Any) -> list[Any]:
         """``fn(engine, *args)`` in every replica's process (for tests and tools); their results in replica order.
-        ``fn`` travels by name: it must be a module-level function the replicas can import."""
+        ``fn`` travels by name: it must be a module-level function the replicas can import. Like every method
+        here, call it from the thread that drives the engine (or while nothing else uses it)."""
         seqs = []
         for replica in self.replicas:
             seqs.append(next(self._seq))
@@ -204,10 +206,10 @@ class DPEngine:
                 kind = msg[0]
                 if kind == "out":
                     self._outputs.extend(self._restore(out) for out in msg[1])
-                    replica.stats = msg[2]
+                    replica.take_stats(*msg[2:])
                 elif kind == "aborted":
                     self._replies[msg[1]] = msg[2]
-                    replica.stats = msg[3]
+                    replica.take_stats(*msg[3:])
                 elif kind == "rpc_done":
                     self._replies[msg[1]] = msg[2]
 
@@ -237,7 +239,8 @@ def _wait_ready(replicas: list[EngineCoreClient]) -> None:
                 raise
             for msg in messages:
                 if msg[0] == "ready":
-                    replica.ready, replica.stats = msg[1], msg[1]["stats"]
+                    replica.ready = msg[1]
+                    replica.take_stats(msg[1]["stats"], 0)
                     pending.pop(conn)
                     logger.info("data-parallel replica %d ready (pid %d, devices %s)", replica.index,
                                 msg[1]["pid"], msg[1]["devices"])

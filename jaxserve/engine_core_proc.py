@@ -11,11 +11,12 @@ tuples:
 
 router -> core                                  core -> router
 ("init", dict)           first message          ("ready", dict)  configs, tokenizer (replica 0), info, stats
-("add", id, prompt, params, arrival)            ("out", outputs, stats)       after every step
-("abort", seq, ids)                             ("aborted", seq, outputs, stats)
+("add", id, prompt, params, arrival)            ("out", outputs, stats, adds) after every step
+("abort", seq, ids)                             ("aborted", seq, outputs, stats, adds)
 ("rpc", seq, fn, args)   fn(engine, *args)      ("rpc_done", seq, result or exception)
 ("stop",)                                       ("error", exception or None, traceback text), then exit
 
+``adds`` counts the adds taken in so far: the router counts requests sent but not yet seen as waiting.
 The core runs on its own: it steps while it has work and reads commands between steps, so it never waits
 for the router. Outputs travel without their prompt (the router keeps it): a cumulative output would
 otherwise resend the whole prompt every step.
@@ -118,6 +119,7 @@ def ready_message(engine, init: dict[str, Any]) -> tuple:
 
 def serve(engine, commands: Connection, sender: Sender) -> None:
     """Step while there is work; between steps, run every command that has arrived. Returns on "stop"."""
+    adds = 0
     while True:
         if not engine.has_unfinished_requests():
             wait([commands])  # idle: sleep until a command (or the router's end: EOF) arrives
@@ -126,9 +128,10 @@ def serve(engine, commands: Connection, sender: Sender) -> None:
             kind = msg[0]
             if kind == "add":
                 engine.add_request(*msg[1:])
+                adds += 1
             elif kind == "abort":
                 outputs = engine.abort_request(msg[2])
-                sender.send(("aborted", msg[1], _slim(outputs), engine.get_stats()))
+                sender.send(("aborted", msg[1], _slim(outputs), engine.get_stats(), adds))
             elif kind == "rpc":
                 _, seq, fn, args = msg
                 try:
@@ -142,7 +145,7 @@ def serve(engine, commands: Connection, sender: Sender) -> None:
                 raise ValueError(f"unknown command {kind!r} from the router")
         if engine.has_unfinished_requests():
             outputs = engine.step()
-            sender.send(("out", _slim(outputs), engine.get_stats()))
+            sender.send(("out", _slim(outputs), engine.get_stats(), adds))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -12,6 +12,7 @@ runs no model): it counts devices in a short-lived interpreter, except when JAX 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -86,6 +87,8 @@ class EngineCoreClient:
         self.stats: Any = None  # the replica's EngineStats after its last step (get_stats)
         self.ready: Optional[dict] = None  # the "ready" message's payload
         self.error: Optional[EngineCoreError] = None  # set once the replica has failed
+        self.adds_sent = 0  # requests sent to the replica ...
+        self.adds_seen = 0  # ... and how many of them it had taken in at its last stats
         cmd_r, cmd_w = os.pipe()
         out_r, out_w = os.pipe()
         argv = [sys.executable, "-m", "jaxserve.engine_core_proc", str(cmd_r), str(out_w)]
@@ -104,7 +107,13 @@ class EngineCoreClient:
         self._sender.send(message)
 
     def get_stats(self):
-        return self.stats
+        """The replica's EngineStats after its last step, counting requests still on their way as waiting."""
+        in_transit = self.adds_sent - self.adds_seen
+        return dataclasses.replace(self.stats, num_waiting=self.stats.num_waiting + in_transit) if in_transit \
+            else self.stats
+
+    def take_stats(self, stats, adds_seen: int) -> None:
+        self.stats, self.adds_seen = stats, adds_seen
 
     def receive_all(self) -> list[tuple]:
         """Every message that has arrived; raises EngineCoreError if the replica failed or died (again on

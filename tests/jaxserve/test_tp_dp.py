@@ -106,6 +106,8 @@ def test_dp_replicas_on_disjoint_devices_and_router_balances():
     for i, p in enumerate(_prompts() * 2):
         engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
     assert [engine.replica_load(i)[0] for i in range(2)] == [3, 3]
+    stats = engine.get_stats()  # sent, not yet seen by the replicas: counted as waiting
+    assert stats.num_running + stats.num_waiting == 6
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("b0", {"prompt_token_ids": [5, 6]}, params)
     engine.abort_request(["b0", "b1"])
