@@ -103,15 +103,20 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices: O
     jax.distributed). A replica's TP group is a mesh row: on GPUs, neighbouring device ids share the
     fastest links, so the all-reduces of TP stay on them."""
     devices = list(jax.devices() if devices is None else devices)
+    check_device_count(tensor_parallel_size, data_parallel_size, len(devices), devices[0].platform)
     need = tensor_parallel_size * data_parallel_size
-    if need > len(devices):
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} needs {need} "
-            f"devices, but only {len(devices)} {devices[0].platform} device(s) are present; lower one of them "
-            "(their product must be at most the device count)"
-        )
     grid = np.array(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def check_device_count(tensor_parallel_size: int, data_parallel_size: int, count: int, platform: str) -> None:
+    need = tensor_parallel_size * data_parallel_size
+    if need > count:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} needs {need} "
+            f"devices, but only {count} {platform} device(s) are present; lower one of them "
+            "(their product must be at most the device count)"
+        )
 
 
 def replica_meshes(global_mesh: Mesh) -> list[Mesh]:

@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     ns = p.parse_args(argv)
     args = dataclasses.replace(engine_args_from(ns), async_scheduling=False)  # one step at a time, timed alone
+    if args.data_parallel_size > 1:
+        p.error("the step profile times one engine's steps in this process: drop --data-parallel-size "
+                "(data-parallel replicas run in processes of their own)")
     if ns.no_attention:
         from jaxserve.pallas_kernels import attention
 

@@ -98,7 +98,8 @@ def run(ns: argparse.Namespace) -> int:
         "startup_s": startup_s,
         "engine_info": engine.info(),
         "engine_args": dataclasses.asdict(args),
-        "device": str(jax.devices()[0].device_kind),
+        # A data-parallel router has not started JAX on the devices (its replicas hold them): ask them.
+        "device": engine.info().get("device_kind") or str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),

@@ -10,6 +10,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from dp_probes import fail_steps, hard_exit, replica_view
 from engine_fixtures import _ROOT, checkpoint, small_engine_kwargs
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -17,6 +18,7 @@ from tiny_models import hf_greedy, make_tiny_checkpoint
 
 from jaxserve import LLM, SamplingParams, sharding
 from jaxserve.dp_engine import DPEngine
+from jaxserve.replica_client import EngineCoreError
 
 MAX_TOKENS = 8
 PROMPT_LENS = (3, 17, 40)  # 40 > the 32-token step budget: chunked prefill runs under TP too
@@ -95,15 +97,17 @@ def test_dp_replicas_on_disjoint_devices_and_router_balances():
     llm = _llm("llama_gqa", 2, 2)
     engine = llm.llm_engine
     assert isinstance(engine, DPEngine) and len(engine.replicas) == 2
-    devices = [{d.id for d in r.runner.mesh.devices.flat} for r in engine.replicas]
-    assert devices == [{0, 1}, {2, 3}]
-    for r in engine.replicas:
-        assert r.runner.kv_caches[0][0].sharding.spec == P(None, None, "model", None)
+    assert engine.info()["replica_devices"] == [[0, 1], [2, 3]]
+    # Each replica's process sees only its own 2 devices, and shards its KV cache over them.
+    for view in engine.collective_rpc(replica_view):
+        assert view["num_devices"] == 2 and view["mesh_shape"] == {"data": 1, "model": 2}
+        assert view["kv_spec"] == tuple(P(None, None, "model", None))
     params = SamplingParams(temperature=0.0, max_tokens=4)
     for i, p in enumerate(_prompts() * 2):
         engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
     assert [engine.replica_load(i)[0] for i in range(2)] == [3, 3]
-    assert all(r.has_unfinished_requests() for r in engine.replicas)
+    stats = engine.get_stats()  # sent, not yet seen by the replicas: counted as waiting
+    assert stats.num_running + stats.num_waiting == 6
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("b0", {"prompt_token_ids": [5, 6]}, params)
     engine.abort_request(["b0", "b1"])
@@ -127,6 +131,55 @@ def test_dp_replicas_on_disjoint_devices_and_router_balances():
     assert len(calls) == 1 and out.prompt == "hello world" and out.prompt_token_ids == encode("hello world")
 
 
+def test_dp_batch_equals_one_engine_and_abort_mid_flight():
+    """A batch spread over 2 replica processes gives one engine's greedy tokens; a request aborted while
+    its replica runs it ends with finish_reason "abort" and the tokens it had, and the others finish."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 500, size=n).tolist() for n in (5, 9, 30, 2, 17, 44, 8, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    got = _llm("llama_gqa", 2, 2).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    want = _llm("llama_gqa", 2).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.prompt_token_ids for o in got] == prompts
+
+    engine = _llm("llama_gqa", 2, 2).llm_engine
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(f"m{i}", {"prompt_token_ids": p}, long)
+    assert engine.replica_load(1)[0] == 2  # m1 runs on replica 1
+    seen: dict[str, int] = {}
+    while seen.get("m1", 0) < 2:  # until m1 has 2 tokens
+        seen.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+    (aborted,) = engine.abort_request("m1")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert aborted.prompt_token_ids == prompts[1] and 2 <= len(aborted.outputs[0].token_ids) < 40
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["m0", "m2", "m3"]
+    assert all(o.outputs[0].finish_reason == "length" for o in finished.values())
+    assert engine.replica_load(0) == engine.replica_load(1) == (0, 0)
+
+
+def test_dp_replica_failure_is_a_clear_error():
+    """A replica whose step raises fails the caller with its traceback (again on later calls, no hang);
+    a replica that dies without a word is reported with its exit code; close() ends the processes."""
+    # enforce_eager: nothing to compile, as the steps fail before they run the model
+    llm = LLM(_model("llama_gqa"), data_parallel_size=2, enforce_eager=True, **small_engine_kwargs(max_model_len=32))
+    engine = llm.llm_engine
+    engine.collective_rpc(fail_steps, "boom in the step")
+    with pytest.raises(EngineCoreError, match=r"(?s)replica 0 .*failed:.*Traceback.*boom in the step"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(EngineCoreError, match="boom in the step"):
+        engine.step()
+    engine.replicas[1].send(("rpc", -1, hard_exit, (3,)))
+    assert engine.replicas[1].proc.wait(60) == 3
+    with pytest.raises(EngineCoreError, match=r"replica 1 \(pid \d+\) exited with code 3"):
+        engine.replicas[1].receive_all()
+    engine.close()
+    assert [r.proc.poll() for r in engine.replicas] == [1, 3]
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -134,6 +187,9 @@ def test_dp_replicas_on_disjoint_devices_and_router_balances():
         (dict(tensor_parallel_size=4), r"tensor_parallel_size=4 does not divide the model's 2 key/value heads"),
         (dict(tensor_parallel_size=4, data_parallel_size=4), r"needs 16 devices, but only 8"),
         (dict(data_parallel_size=0), r"data_parallel_size=0 is invalid"),
+        # found by the replicas' processes while they build their engines: raised here as by one engine
+        (dict(data_parallel_size=2, max_model_len=4096),
+         r"max_model_len=4096 exceeds the model's max_position_embeddings"),
     ],
 )
 def test_invalid_parallel_sizes_fail_clearly(kwargs, match):

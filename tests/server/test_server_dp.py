@@ -1,7 +1,7 @@
 """The HTTP server, unchanged, over a data-parallel engine (DPEngine, two replicas of TP=2 on 4 of the
-8 fake CPU devices): completions and streamed chat complete, /metrics sums the replicas' running and
-waiting requests, and a client that drops its stream gets its request aborted on whichever replica
-held it."""
+8 fake CPU devices, each replica in its own process): completions and streamed chat complete, /metrics
+sums the replicas' running and waiting requests, and a client that drops its stream gets its request
+aborted on whichever replica held it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import jax
 import openai
 import pytest
 
-from server_probes import metric, slow_steps, wait_idle
+from dp_probes import set_step_delay
+from server_probes import metric, wait_idle
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve.async_engine import AsyncLLMEngine
@@ -110,8 +111,16 @@ def test_metrics_report_running_and_waiting_across_replicas(server, http):
     wait_idle(http)
 
 
-def test_dropped_stream_is_aborted(server, http, monkeypatch):
-    slow_steps(monkeypatch, server.engine.engine)
+@pytest.fixture
+def slow_replicas(server):
+    """Each replica runs its steps in its own process, so slow them there (a 400-token request must outlive
+    a client that leaves early, however fast the machine)."""
+    server.engine.engine.collective_rpc(set_step_delay, 0.005)
+    yield
+    server.engine.engine.collective_rpc(set_step_delay, 0.0)
+
+
+def test_dropped_stream_is_aborted(server, http, slow_replicas):
     before = metric(http, "jaxserve:request_success_total", finished_reason="abort")
     body = {"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
