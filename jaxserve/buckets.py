@@ -15,11 +15,11 @@ def _doubling(start: int, stop: int) -> list[int]:
     return out
 
 
-# Decode buckets below 16 tokens, CPU only. A CPU step costs about its tokens' share of the matmuls
-# plus attention per padded sequence, so padding one decode to 16 tokens costs ~3x (SmolLM2-135M fp32,
-# 2 cores: 1 token ~60 ms, 4 tokens ~100, 16 tokens ~180, under load). Each bucket is one more compiled
-# shape per block-width bucket (~10 s each on CPU), so only 1 (a single stream) and 4 (a few streams).
-# On GPU a small decode step reads the same weights as a 16-token one and costs the same.
+# Decode buckets below 16 tokens, CPU only. On CPU the padded tokens cost real matmul work, so one
+# decode padded to 16 tokens costs ~3x (SmolLM2-135M fp32, 2 shared cores, jitted step alone, best of
+# 15 interleaved: 1 token 61 ms, 4 tokens 96, 16 tokens 171). Each bucket is one more compiled shape per
+# block-width bucket (2-20 s each on CPU), so only 1 (a single stream) and 4 (a few streams). On GPU a
+# small decode step reads the same weights as a 16-token one and costs about the same.
 CPU_DECODE_BUCKETS = (1, 4)
 
 
