@@ -15,9 +15,20 @@ def _doubling(start: int, stop: int) -> list[int]:
     return out
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
-    """Padded flat-token counts T: powers of two from ``smallest`` up to the token budget."""
-    return _doubling(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
+# Decode buckets below 16 tokens, CPU only. On CPU the padded tokens cost real matmul work, so one
+# decode padded to 16 tokens costs ~3x (SmolLM2-135M fp32, 2 shared cores, jitted step alone, best of
+# 15 interleaved: 1 token 61 ms, 4 tokens 96, 16 tokens 171). Each bucket is one more compiled shape per
+# block-width bucket (2-20 s each on CPU), so only 1 (a single stream) and 4 (a few streams). On GPU a
+# small decode step reads the same weights as a 16-token one and costs about the same.
+CPU_DECODE_BUCKETS = (1, 4)
+
+
+def token_buckets(max_num_batched_tokens: int, platform: str = "gpu", smallest: int = 16) -> list[int]:
+    """Padded flat-token counts T: powers of two from ``smallest`` up to the token budget, below them
+    the platform's small decode buckets (``CPU_DECODE_BUCKETS`` on "cpu", none elsewhere)."""
+    small = CPU_DECODE_BUCKETS if platform == "cpu" else ()
+    large = _doubling(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
+    return sorted({b for b in small if b < large[0]} | set(large))
 
 
 def seq_bucket_for(num_tokens_bucket: int, max_num_seqs: int) -> int:

@@ -102,7 +102,7 @@ class ModelRunner:
         self.dtype = jnp.dtype(model_config.dtype)
 
         self.max_blocks_per_seq = math.ceil(model_config.max_model_len / self.block_size)
-        self.token_buckets = buckets.token_buckets(scheduler_config.max_num_batched_tokens)
+        self.token_buckets = buckets.token_buckets(scheduler_config.max_num_batched_tokens, runner_config.platform)
         self.width_buckets = buckets.block_width_buckets(
             self.max_blocks_per_seq, self.block_size, full_width_only=runner_config.attention_backend not in GATHER_BACKENDS
         )

@@ -60,8 +60,9 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Next token per row from ``logits`` [S, V]; pure and jittable (``md``'s flags are static)."""
     raw = logits.astype(jnp.float32)  # [S, V]
     logits = apply_penalties(raw, md) if md.needs_penalties else raw  # [S, V]
-    logits = _apply_bans(logits, md.banned)  # [S, V]
-    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    if md.needs_bans:  # static: an all-greedy batch without bans is a bare argmax of the logits
+        logits = _apply_bans(logits, md.banned)  # [S, V]
+    token_ids = argmax(logits)  # [S]
     if not md.all_greedy:
         drawn = _draw(logits, md)  # [S]
         token_ids = jnp.where(md.temperature > 0, drawn, token_ids)
@@ -106,7 +107,35 @@ def _draw(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     keys = jax.vmap(_row_key)(md.seeds, md.steps)  # [S] keys
     vocab = logits.shape[-1]
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)  # [S, V]
-    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return argmax(scaled + gumbel)
+
+
+# Block width of ``argmax``'s first pass: 128 f32 lanes, a few vector registers per block.
+_ARGMAX_BLOCK = 128
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` of ``x`` [S, V] as int32 [S] (first index of the row maximum), in
+    plain max/min reductions: XLA:CPU runs argmax's (value, index) pair reduction element by element
+    (18 ms for [64, 49152] on 2 cores, where this takes 0.8 ms, measured). The maximum is found per
+    block of ``_ARGMAX_BLOCK`` entries, then the first index of it inside the first block holding it.
+    A row holding NaN gives some index in range, not necessarily the NaN's."""
+    num_rows, vocab = x.shape
+    num_blocks = -(-vocab // _ARGMAX_BLOCK)
+    pad = num_blocks * _ARGMAX_BLOCK - vocab
+    padded = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x  # [S, NB * BL]
+    blocks = padded.reshape(num_rows, num_blocks, _ARGMAX_BLOCK)  # [S, NB, BL]
+    block_max = blocks.max(-1)  # [S, NB]
+    row_max = block_max.max(-1, keepdims=True)  # [S, 1]
+    first_block = _first_true(block_max == row_max)  # [S]
+    inside = jnp.take_along_axis(blocks, first_block[:, None, None], axis=1, mode="clip")[:, 0]  # [S, BL]
+    index = first_block * _ARGMAX_BLOCK + _first_true(inside == row_max)  # [S]
+    return jnp.minimum(index, vocab - 1)
+
+
+def _first_true(mask: jax.Array) -> jax.Array:  # [S, N] bool -> [S] i32: first True column (N if none)
+    n = mask.shape[-1]
+    return jnp.min(jnp.where(mask, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
 
 
 def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """SamplingMetadata: each row's sampling settings as arrays, padded to the runner's S bucket.
 
-Built on the host with numpy (``from_seqs``), passed into the jitted sampler as a pytree. The four
+Built on the host with numpy (``from_seqs``), passed into the jitted sampler as a pytree. The five
 flags are static (part of the jit cache key, not traced), so a batch that uses no penalties, filters
 or logprobs compiles to a sampler that never computes them. The runner compiles the common flag
 combinations at start-up (``warmup_variants``).
@@ -50,6 +50,7 @@ class SamplingMetadata:
     needs_penalties: bool = _static()  # some row has a presence / frequency / repetition penalty
     needs_filters: bool = _static()  # some sampled row uses top-k / top-p / min-p
     needs_logprobs: bool = _static()  # some row asked for logprobs
+    needs_bans: bool = _static()  # some row has banned tokens (min_tokens not reached yet)
 
     @property
     def num_rows(self) -> int:
@@ -75,7 +76,7 @@ class SamplingMetadata:
         steps = np.zeros(num_rows, np.int32)
         prompt_lens = np.zeros(num_rows, np.int32)
         banned = np.full((num_rows, MAX_BANNED), -1, np.int32)
-        all_greedy, needs_penalties, needs_filters, needs_logprobs = True, False, False, False
+        all_greedy, needs_penalties, needs_filters, needs_logprobs, needs_bans = True, False, False, False, False
         penalty_rows: list[int] = []
         for i, seq in enumerate(seqs):
             if not seq.sample:
@@ -93,6 +94,7 @@ class SamplingMetadata:
             if seq.num_output_tokens < sp.min_tokens:  # vLLM: stop tokens cannot be sampled before min_tokens
                 ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(seq.eos_token_ids))
                 banned[i, : len(ban)] = ban[:MAX_BANNED]
+                needs_bans |= len(ban) > 0
             all_greedy &= sp.greedy
             needs_filters |= sp.uses_filters
             needs_logprobs |= sp.logprobs is not None
@@ -117,6 +119,7 @@ class SamplingMetadata:
             needs_penalties=needs_penalties,
             needs_filters=needs_filters and not all_greedy,
             needs_logprobs=needs_logprobs,
+            needs_bans=needs_bans,
         )
 
     @classmethod
@@ -124,7 +127,8 @@ class SamplingMetadata:
         """One dummy batch per flag combination worth compiling at start-up.
 
         Penalties are left out: their shape also depends on the history bucket, so those variants
-        compile on first use (a rarely used feature pays once, the common ones never).
+        compile on first use (a rarely used feature pays once, the common ones never). So are bans
+        (min_tokens), for the same reason: rare, and a variant per flag doubles the start-up list.
         """
         base = cls.from_seqs([], num_rows)
         for all_greedy, needs_filters in ((True, False), (False, False), (False, True)):

@@ -29,9 +29,20 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys and values into their cache slots (in place when the cache is donated)."""
     n, p, k, d = k_pages.shape
+    if slot_mapping.shape[0] == 1:
+        # XLA rewrites a one-row scatter into a dynamic-update-slice guarded by a read of the old row
+        # (for mode="drop"), and that read makes it copy the whole donated cache three times per layer:
+        # a 1-token step measured 790 ms against 39 ms at 2 tokens on CPU. A second, dropped row keeps
+        # it a scatter, which updates in place.
+        k_new, v_new = _with_dropped_row(k_new), _with_dropped_row(v_new)  # [2, K, D]
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), n * p, slot_mapping.dtype)])  # [2]
     k_flat = k_pages.reshape(n * p, k, d).at[slot_mapping].set(k_new.astype(k_pages.dtype), mode="drop")
     v_flat = v_pages.reshape(n * p, k, d).at[slot_mapping].set(v_new.astype(v_pages.dtype), mode="drop")
     return k_flat.reshape(n, p, k, d), v_flat.reshape(n, p, k, d)
+
+
+def _with_dropped_row(x: jax.Array) -> jax.Array:  # [1, K, D] -> [2, K, D]
+    return jnp.concatenate([x, x], axis=0)
 
 
 def ragged_paged_attention_reference(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -248,3 +250,32 @@ def test_minus_inf_logits_are_never_sampled():
 def test_seeds_beyond_32_bits_are_accepted():
     md = SamplingMetadata.from_seqs([seq(SamplingParams(temperature=1.0), seed=2**40 + 3)], 1)
     assert md.seeds.dtype == np.uint32 and int(md.seeds[0]) == 3
+
+
+@pytest.mark.parametrize("vocab", [64, 200, 1000])
+def test_blocked_argmax_matches_jnp_argmax(vocab):
+    """First index of the maximum, whatever the vocabulary size (padded blocks), ties and -inf rows."""
+    x = logits_like(6, vocab=vocab, seed=11)
+    x[1, [3, vocab - 1]] = x[1].max() + 1  # a tie across blocks: the first wins
+    x[2, [vocab - 2, vocab - 1]] = x[2].max() + 1  # a tie inside the last (padded) block
+    x[3] = -np.inf  # all banned: index 0, as jnp.argmax
+    x[4] = 0.0  # all equal
+    np.testing.assert_array_equal(np.asarray(sampler_mod.argmax(jnp.asarray(x))), np.argmax(x, -1))
+
+
+def test_greedy_fast_path_skips_bans_only_when_no_row_bans():
+    """No row bans: the bare argmax gives the same tokens as the full path; a banned best token is not sampled."""
+    logits = logits_like(4, seed=12)
+    greedy = SamplingParams(temperature=0.0)
+    md = SamplingMetadata.from_seqs([seq(greedy) for _ in range(3)], 4)
+    assert md.all_greedy and not (md.needs_bans or md.needs_penalties or md.needs_logprobs)
+    fast = np.asarray(jit_sample(jnp.asarray(logits), md).token_ids)
+    full = np.asarray(jit_sample(jnp.asarray(logits), dataclasses.replace(md, needs_bans=True)).token_ids)
+    np.testing.assert_array_equal(fast, full)
+    np.testing.assert_array_equal(fast, np.argmax(logits, -1))
+    best = int(logits[0].argmax())
+    held = seq(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[best]))
+    md = SamplingMetadata.from_seqs([held], 4)
+    assert md.needs_bans
+    ids = np.asarray(jit_sample(jnp.asarray(logits), md).token_ids)
+    assert ids[0] != best and ids[0] == np.argsort(logits[0])[-2]
