@@ -87,8 +87,16 @@ def measure(llm, work: list) -> dict:
         return n / elapsed, (n - 1) / (m["finish_time"] - m["first_token_time"]), 1000 * (m["first_token_time"] - m["arrival_time"])
 
     one(work[0])
+    loop = getattr(llm.llm_engine, "loop_time", None)  # host vs waiting-for-device split (one engine)
+    before = dict(loop) if loop else None
     runs = [one(w) for w in work[1:]]
+    steps = {k: loop[k] - before[k] for k in loop} if loop else None
     return {
+        "loop_ms_per_step": None if not steps or not steps["steps"] else {
+            "total": 1e3 * steps["total_s"] / steps["steps"],
+            "host": 1e3 * (steps["total_s"] - steps["wait_s"]) / steps["steps"],
+            "wait": 1e3 * steps["wait_s"] / steps["steps"],
+        },
         "input_len": len(work[0].prompt_token_ids), "output_len": work[0].output_len, "repeats": len(runs),
         "tokens_per_s": statistics.median(r[0] for r in runs),
         "decode_tokens_per_s": statistics.median(r[1] for r in runs),

@@ -41,12 +41,19 @@ def measure_copy_rate(quick: bool = False) -> float:
         return 2 * src.nbytes / seconds
     import jax.numpy as jnp
 
-    x = jnp.ones((1 << (20 if quick else 30),), jnp.bfloat16)  # 2 GiB on a GPU
-    copy = jax.jit(lambda a: a + 1)  # a bare copy may be elided; an add reads and writes every byte once
-    seconds = _median_seconds(lambda: copy(x), jax.block_until_ready, rounds=3 if quick else 10)
-    rate = 2 * x.nbytes / seconds
-    del x
-    return rate
+    # 4 GiB of 32-bit words, updated in place (donated): each call reads and writes every byte once, with
+    # no allocation in the timed loop. (A bf16 `a + 1` into a fresh buffer measured 2.8 TB/s on an H200.)
+    state = {"x": jnp.ones((1 << (20 if quick else 30),), jnp.uint32)}
+    nbytes = state["x"].nbytes
+    add = jax.jit(lambda a: a + 1, donate_argnums=0)  # a bare copy may be elided; an add cannot
+
+    def step():
+        state["x"] = add(state["x"])
+        return state["x"]
+
+    seconds = _median_seconds(step, jax.block_until_ready, rounds=3 if quick else 10)
+    del state
+    return 2 * nbytes / seconds
 
 
 def measure_matmul_rate(dtype: str, quick: bool = False) -> float:
