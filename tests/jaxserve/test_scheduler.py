@@ -351,12 +351,10 @@ def test_reset_prefix_cache():
     assert b.num_cached_tokens == 0
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_stress_nothing_accepted_is_lost(seed):
-    rng = random.Random(seed)
+def stress_sched(seed, rng, max_model_len=96):
+    """A scheduler with limits drawn from ``rng``: small budgets, tight caches, chunked or not."""
     chunked = seed % 3 != 2
-    max_model_len = 96
-    sched = make_sched(
+    return make_sched(
         max_num_seqs=rng.choice([2, 4, 16]),
         max_num_batched_tokens=rng.choice([16, 48]) if chunked else max_model_len,
         max_model_len=max_model_len,
@@ -365,6 +363,13 @@ def test_stress_nothing_accepted_is_lost(seed):
         enable_prefix_caching=seed % 2 == 0,
         long_prefill_token_threshold=rng.choice([0, 0, 12]),
     )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stress_nothing_accepted_is_lost(seed):
+    rng = random.Random(seed)
+    max_model_len = 96
+    sched = stress_sched(seed, rng, max_model_len)
     runner = FakeRunner(sched.kv.num_blocks, 4)
     shared = [rng.randrange(VOCAB) for _ in range(24)]  # a common prefix, for prefix hits
     wanted = {}

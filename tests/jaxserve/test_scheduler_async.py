@@ -10,7 +10,7 @@ a token computed past a stop (EOS, abort, max_tokens) is never emitted, and noth
 import random
 
 import pytest
-from test_scheduler import VOCAB, assert_all_freed, make_req, make_sched, next_token
+from test_scheduler import VOCAB, assert_all_freed, make_req, make_sched, next_token, stress_sched
 
 from jaxserve.request import RequestStatus
 from jaxserve.scheduler_output import ModelRunnerOutput
@@ -163,17 +163,8 @@ def test_preempted_with_a_token_in_flight_keeps_it_and_resumes():
 @pytest.mark.parametrize("seed", range(12))
 def test_stress_async_equals_sync(seed):
     rng = random.Random(seed)
-    chunked = seed % 3 != 2
     max_model_len = 96
-    sched = make_sched(
-        max_num_seqs=rng.choice([2, 4, 16]),
-        max_num_batched_tokens=rng.choice([16, 48]) if chunked else max_model_len,
-        max_model_len=max_model_len,
-        num_blocks=rng.choice([26, 40, 400]),
-        enable_chunked_prefill=chunked,
-        enable_prefix_caching=seed % 2 == 0,
-        long_prefill_token_threshold=rng.choice([0, 0, 12]),
-    )
+    sched = stress_sched(seed, rng, max_model_len)
     device = DeviceFake(sched.kv.num_blocks, 4)
     eos = (rng.randrange(VOCAB), rng.randrange(VOCAB))
     shared = [rng.randrange(VOCAB) for _ in range(24)]
