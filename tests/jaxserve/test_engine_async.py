@@ -51,7 +51,7 @@ def test_async_equals_sync_across_stops_and_sampling(llm):
     for i, sp in enumerate([
         greedy,
         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok]),
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[base.text[6:9]] if len(base.text) > 9 else None),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[base.text[6:9]]),
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=10, min_tokens=8, stop_token_ids=[stop_tok]),
         SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True),
@@ -65,6 +65,8 @@ def test_async_equals_sync_across_stops_and_sampling(llm):
     assert overlapped == sync
     stopped = sync[1][0]
     assert stopped[0][-1] == stop_tok and stopped[2] == "stop" and len(stopped[0]) == 6
+    by_string = sync[2][0]  # the stop string is found with later steps in flight; their tokens are dropped
+    assert by_string[2] == "stop" and isinstance(by_string[3], str) and len(by_string[0]) < 24
 
 
 def test_each_request_alone_equals_batched_under_overlap(llm):
