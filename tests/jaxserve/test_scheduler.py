@@ -365,6 +365,29 @@ def stress_sched(seed, rng, max_model_len=96):
     )
 
 
+def drive_with_arrivals(sched, pending, wanted, rng, run, abort_phase=(7, 3)):
+    """Feed ``pending`` requests in while ``run(on_step)`` steps the scheduler, with an occasional abort
+    (dropped from ``wanted``); returns every finished request by id."""
+
+    def join(n, out):
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                sched.add_request(pending.pop(0))
+        if n % abort_phase[0] == abort_phase[1] and sched.running and rng.random() < 0.3:
+            victim = rng.choice(sched.running).request_id
+            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            wanted.pop(victim)
+
+    for _ in range(4):
+        sched.add_request(pending.pop(0))
+    finished = {}
+    while sched.has_unfinished_requests() or pending:
+        finished.update(run(join))
+        if pending:
+            sched.add_request(pending.pop(0))
+    return finished
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_stress_nothing_accepted_is_lost(seed):
     rng = random.Random(seed)
@@ -381,23 +404,7 @@ def test_stress_nothing_accepted_is_lost(seed):
         pending.append(make_req(f"r{i}", prompt, max_tokens=max_tokens, ignore_eos=True))
         wanted[f"r{i}"] = expected_output(prompt, min(max_tokens, max_model_len - len(prompt)))
 
-    def join(n, out):
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                sched.add_request(pending.pop(0))
-        if n % 7 == 3 and sched.running and rng.random() < 0.3:  # an occasional abort
-            victim = rng.choice(sched.running).request_id
-            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-            wanted.pop(victim)
-
-    for _ in range(4):
-        sched.add_request(pending.pop(0))
-    finished = {}
-    while sched.has_unfinished_requests() or pending:
-        got, _ = run_all(sched, runner, on_step=join)
-        finished.update(got)
-        if pending:
-            sched.add_request(pending.pop(0))
+    finished = drive_with_arrivals(sched, pending, wanted, rng, lambda on_step: run_all(sched, runner, on_step=on_step)[0])
     assert set(finished) == set(wanted)
     for rid, req in finished.items():
         assert req.output_token_ids == wanted[rid], rid

@@ -10,7 +10,9 @@ a token computed past a stop (EOS, abort, max_tokens) is never emitted, and noth
 import random
 
 import pytest
-from test_scheduler import VOCAB, assert_all_freed, make_req, make_sched, next_token, stress_sched
+from test_scheduler import (
+    VOCAB, assert_all_freed, drive_with_arrivals, make_req, make_sched, next_token, stress_sched,
+)
 
 from jaxserve.request import RequestStatus
 from jaxserve.scheduler_output import ModelRunnerOutput
@@ -176,22 +178,10 @@ def test_stress_async_equals_sync(seed):
         pending.append(make_req(f"r{i}", prompt, eos=eos, max_tokens=max_tokens, ignore_eos=ignore_eos))
         wanted[f"r{i}"] = expected(prompt, max_tokens, () if ignore_eos else eos, max_model_len)
 
-    def join(n, out):
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                sched.add_request(pending.pop(0))
-        if n % 5 == 2 and sched.running and rng.random() < 0.3:  # an abort, often with a step in flight
-            victim = rng.choice(sched.running).request_id
-            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-            wanted.pop(victim)
-
-    for _ in range(4):
-        sched.add_request(pending.pop(0))
-    finished = {}
-    while sched.has_unfinished_requests() or pending:
-        finished.update(run_async(sched, device, on_step=join))
-        if pending:
-            sched.add_request(pending.pop(0))
+    # Aborts land between a schedule and the read-back of the step before: often with a step in flight.
+    finished = drive_with_arrivals(
+        sched, pending, wanted, rng, lambda on_step: run_async(sched, device, on_step=on_step), abort_phase=(5, 2)
+    )
     assert set(finished) == set(wanted)
     for rid, req in finished.items():
         assert req.output_token_ids == wanted[rid], rid
