@@ -60,3 +60,19 @@ def pick(buckets: list[int], value: int) -> int:
     if i == len(buckets):
         raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
     return buckets[i]
+
+
+def startup_shapes(token_buckets: list[int], width_buckets: list[int], policy: str) -> list[tuple[int, int]]:
+    """The (tokens, block width) step shapes to compile before serving; any other shape compiles on first use.
+
+    "all": every pair. "common": every token bucket at the shortest context width, which serves every step
+    whose longest sequence fits it (a chat of a few hundred tokens never waits for a compile); longer contexts
+    compile when first reached. "none": nothing ahead.
+    """
+    if policy == "all":
+        return [(t, b) for t in token_buckets for b in width_buckets]
+    if policy == "common":
+        return [(t, width_buckets[0]) for t in token_buckets]
+    if policy == "none":
+        return []
+    raise ValueError(f"precompile={policy!r} is not one of ('all', 'common', 'none')")

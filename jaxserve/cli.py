@@ -24,6 +24,8 @@ _HELP = {
     "enforce_eager": "run without the whole-step jit (slow; for debugging and comparison)",
     "async_scheduling": "dispatch each model step before reading the previous step's tokens back, so host work "
     "overlaps the device (--no-async-scheduling: one step at a time, for debugging and comparison)",
+    "precompile": "step shapes compiled at start-up, the rest on first use: all, common (every token bucket at the "
+    "shortest context width) or none; auto: all on GPU/TPU, common on CPU",
     "attention_backend": "auto (pallas on GPU/TPU, xla elsewhere), reference (plain jnp ground truth), xla (jnp that gathers little; fast on CPU) or pallas",
     "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",

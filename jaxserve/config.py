@@ -16,6 +16,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # How float32 matmuls run (jaxserve.pallas_kernels.precision, which this mirrors without importing JAX):
 # "highest" is true float32, as PyTorch computes by default; "tf32" lets NVIDIA GPUs round inputs to TF32.
 FP32_MATMUL_PRECISIONS = ("highest", "tf32")
+# Which step shapes compile at start-up (the rest compile on first use): see jaxserve.buckets.startup_shapes.
+PRECOMPILE = ("auto", "all", "common", "none")
 
 
 @dataclasses.dataclass
@@ -41,6 +43,10 @@ class EngineArgs:
     enforce_eager: bool = False
     # Dispatch step N+1 before reading step N's tokens back (the host's work overlaps the device's).
     async_scheduling: bool = True
+    # Step shapes compiled at start-up: all (every bucket), common (each token bucket at the shortest context
+    # width), none; the rest compile on first use. auto: all on accelerators, common on CPU (where each shape
+    # costs seconds).
+    precompile: str = "auto"
     attention_backend: str = "auto"  # auto | reference | xla | pallas
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     skip_tokenizer_init: bool = False
@@ -81,6 +87,8 @@ class EngineArgs:
             raise bad("fp32_matmul_precision", f"choose one of {FP32_MATMUL_PRECISIONS}: {want}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"only {KV_CACHE_DTYPES} is implemented so far (fp8 KV cache is planned)")
+        if self.precompile not in PRECOMPILE:
+            raise bad("precompile", f"choose one of {PRECOMPILE}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"choose one of {LOAD_FORMATS}")
         if self.attention_backend not in ("auto", "reference", "xla", "pallas"):
@@ -151,3 +159,4 @@ class RunnerConfig:
     attention_backend: str  # resolved: "reference" | "xla" | "pallas"
     compilation_cache_dir: Optional[str]
     platform: str  # "cpu" | "gpu" | "tpu"
+    precompile: str = "all"  # resolved: "all" | "common" | "none"

@@ -116,7 +116,8 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     scheduler_config = SchedulerConfig(
         max_num_seqs, max_batched, max_model_len, args.enable_chunked_prefill, args.long_prefill_token_threshold
     )
-    runner_config = RunnerConfig(args.enforce_eager, backend, args.compilation_cache_dir, platform)
+    precompile = args.precompile if args.precompile != "auto" else ("common" if platform == "cpu" else "all")
+    runner_config = RunnerConfig(args.enforce_eager, backend, args.compilation_cache_dir, platform, precompile)
     runner = ModelRunner(model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh)
     del model
     scheduler = Scheduler(
@@ -131,9 +132,10 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     )
     compile_s = runner.warmup(progress=progress)
     logger.info(
-        "jaxserve ready: %s (%s, %s, tp=%d on %s) loaded in %.1fs, %d KV blocks, %d step shapes compiled in %.1fs",
+        "jaxserve ready: %s (%s, %s, tp=%d on %s) loaded in %.1fs, %d KV blocks, %d of %d step shapes compiled in "
+        "%.1fs (precompile=%s; the rest compile on first use)",
         served, fmt, dtype, tp, [d.id for d in mesh.devices.flat], load_s, runner.num_blocks,
-        len(runner.token_buckets) * len(runner.width_buckets), compile_s,
+        len(runner.compiled_shapes), len(runner.token_buckets) * len(runner.width_buckets), compile_s, precompile,
     )
     eos = set(text_config.eos_token_ids or ())
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -247,6 +247,8 @@ class LLMEngine:
             "block_size": self.runner.block_size,
             "kv_cache_gib": round(self.runner.kv_cache_bytes / (1 << 30), 3),
             "token_buckets": self.runner.token_buckets,
+            "precompile": self.runner.runner_config.precompile,
+            "compiled_step_shapes": len(self.runner.compiled_shapes),
             "attention_backend": self.runner.runner_config.attention_backend,
             "async_scheduling": self.async_scheduling,
             "tensor_parallel_size": self.runner.mesh.shape["model"],

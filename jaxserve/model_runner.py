@@ -19,10 +19,12 @@ the tensor-parallel collectives.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 
 import jax
@@ -129,7 +131,7 @@ class ModelRunner:
         param_shardings = [x.sharding for x in self.params]
         cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
         batch_sharding = sharding.replicated(self.mesh)  # input ids and the whole AttentionMetadata
-        logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
+        logits_sharding = self._logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
         self._step = jax.jit(
             functools.partial(_forward, self.graphdef, self._treedef),
             donate_argnums=1,
@@ -141,6 +143,8 @@ class ModelRunner:
         self._sample = jax.jit(functools.partial(_sample_padded, num_rows_max=self.max_rows))
         self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
         self.num_steps = 0
+        self.compiled_shapes: set[tuple[int, int]] = set()  # (T, B) compiled at start-up or since
+        self.num_lazy_compiles = 0
 
     # ------------------------------------------------------------------ sizing
 
@@ -182,6 +186,11 @@ class ModelRunner:
         """Launch one scheduled step without waiting for it. Placeholder tokens (``seq.num_placeholders``)
         are taken on the device from the samples of the step dispatched just before this one."""
         t, s, b = self._shapes_for(sched)
+        if (t, b) not in self.compiled_shapes and self._eager_model is None:
+            # Not compiled at start-up (precompile): jit compiles it inside this call, once.
+            logger.info("compiling step shape tokens=%d ctx=%d on first use", t, b * self.block_size)
+            self.compiled_shapes.add((t, b))
+            self.num_lazy_compiles += 1
         x = build_step_inputs(
             sched.seqs,
             num_tokens_padded=t,
@@ -223,30 +232,54 @@ class ModelRunner:
     # ------------------------------------------------------------------ compile
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every (token bucket x block-width bucket) step and the sampler variants; returns seconds.
+        """Compile the start-up step shapes (``runner_config.precompile``) and their sampler variants; returns
+        seconds. Other shapes compile on first use (``dispatch`` logs each).
 
-        Runs dummy batches that write only to out-of-range slots, so the cache is untouched.
+        Ahead-of-time: each program is traced and lowered here (Python, under the GIL), then compiled in a
+        thread pool, since XLA compiles without the GIL: the shapes compile side by side on the host's cores.
+        The compiled programs land in jit's in-memory cache (and in the persistent cache), so the first real
+        step of a shape only looks them up. Nothing runs on CPU, where a dummy step of a large bucket costs
+        real seconds; on accelerators the largest step runs once, so a memory shortfall shows at start-up.
         """
         if self._eager_model is not None:
             return 0.0
         start = time.perf_counter()
-        shapes = [(t, b) for t in self.token_buckets for b in self.width_buckets]
-        sampler_rows_done: set[int] = set()  # the sampler's shapes depend on S only, not on the width
-        bar = tqdm(shapes, desc="Compiling step buckets", unit="shape", disable=not progress, leave=False)
-        for t, b in bar:
-            bar.set_postfix_str(f"tokens={t} ctx={b * self.block_size}")
-            s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
-            x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
-            logits, self.kv_caches = self._step(
-                self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, self._metadata(x)
-            )
-            if s not in sampler_rows_done:
-                sampler_rows_done.add(s)
-                for md in SamplingMetadata.warmup_variants(s):
-                    jax.block_until_ready(self._sample(logits, md))
-            else:
-                jax.block_until_ready(logits)
+        shapes = buckets.startup_shapes(self.token_buckets, self.width_buckets, self.runner_config.precompile)
+        workers = max(1, min(len(shapes), os.cpu_count() or 1, 8))
+        bar = tqdm(total=len(shapes), desc="Compiling step shapes", unit="shape", disable=not progress, leave=False)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
+            jobs = [pool.submit(lowered.compile) for lowered in self._lower_sampler(shapes)]
+            step_jobs = []
+            for t, b in shapes:
+                step_jobs.append(pool.submit(self._step.lower(*self._dummy_args(t, b)).compile))
+                step_jobs[-1].add_done_callback(lambda _: bar.update())
+            for job in concurrent.futures.as_completed(jobs + step_jobs):
+                job.result()  # a failed compile raises here, at start-up
+        bar.close()
+        self.compiled_shapes.update(shapes)
+        if shapes and self.runner_config.platform != "cpu":
+            t, b = max(shapes)
+            logits, self.kv_caches = self._step(*self._dummy_args(t, b))
+            jax.block_until_ready(logits)
         return time.perf_counter() - start
+
+    def _lower_sampler(self, shapes: list[tuple[int, int]]) -> list:
+        """The sampler's programs for every row count S the start-up shapes reach (S depends on T only); the
+        logprobs variants only with precompile="all" (others compile on first use)."""
+        with_logprobs = self.runner_config.precompile == "all"
+        rows = sorted({buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs) for t, _ in shapes})
+        out = []
+        for s in rows:
+            # The sharding the step's logits really have: with another, the first real call would miss this program.
+            logits = jax.ShapeDtypeStruct((s, self.text_config.vocab_size), jnp.float32, sharding=self._logits_sharding)
+            out += [self._sample.lower(logits, md) for md in SamplingMetadata.warmup_variants(s, with_logprobs)]
+        return out
+
+    def _dummy_args(self, t: int, b: int) -> tuple:
+        """The step's arguments for a padding-only batch of shape (t tokens, b blocks per sequence)."""
+        s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
+        x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
+        return self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, self._metadata(x)
 
 
 def _dummy_inputs(t: int, s: int, b: int, dropped_slot: int) -> StepInputs:

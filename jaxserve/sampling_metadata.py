@@ -123,8 +123,9 @@ class SamplingMetadata:
         )
 
     @classmethod
-    def warmup_variants(cls, num_rows: int) -> Iterator["SamplingMetadata"]:
-        """One dummy batch per flag combination worth compiling at start-up.
+    def warmup_variants(cls, num_rows: int, with_logprobs: bool = True) -> Iterator["SamplingMetadata"]:
+        """One dummy batch per flag combination worth compiling at start-up (the logprobs ones only if
+        ``with_logprobs``).
 
         Penalties are left out: their shape also depends on the history bucket, so those variants
         compile on first use (a rarely used feature pays once, the common ones never). So are bans
@@ -132,7 +133,7 @@ class SamplingMetadata:
         """
         base = cls.from_seqs([], num_rows)
         for all_greedy, needs_filters in ((True, False), (False, False), (False, True)):
-            for needs_logprobs in (False, True):
+            for needs_logprobs in (False, True) if with_logprobs else (False,):
                 yield dataclasses.replace(
                     base, all_greedy=all_greedy, needs_filters=needs_filters, needs_logprobs=needs_logprobs
                 )

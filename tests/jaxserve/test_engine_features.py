@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import numpy as np
 import pytest
 from engine_fixtures import checkpoint, small_engine_kwargs
@@ -123,15 +126,55 @@ def test_chat_uses_template(llm):
     assert out.prompt_token_ids == list(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+_events: list[str] | None = None  # collecting while a list
+
+
+def _on_event(name: str, *args, **kwargs) -> None:
+    if _events is not None and name in _COMPILE_EVENTS:
+        _events.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@contextlib.contextmanager
+def _count_compiles():
+    """JAX's own monitoring events: every trace and every XLA compile, whichever cache would have served it."""
+    global _events
+    _events = events = []
+    try:
+        yield events
+    finally:
+        _events = None
+
+
 def test_steady_state_compiles_nothing_new(llm):
-    """Every bucket was compiled at start-up: a varied workload afterwards adds no compiled programs."""
-    runner = llm.llm_engine.runner
-    before = (runner._step._cache_size(), runner._sample._cache_size())
+    """Every shape this workload reaches was compiled ahead at start-up (precompile, sampler variants
+    included): afterwards nothing is traced or compiled again."""
     prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (1, 4, 15, 31, 60, 90)]
     params = [SamplingParams(temperature=t, top_p=tp, top_k=k, max_tokens=m, seed=1) for t, tp, k, m in
               [(0, 1, 0, 5), (1.0, 0.9, 0, 9), (0.8, 1, 20, 3), (0, 1, 0, 30), (1.0, 1, 0, 12), (0.5, 0.5, 5, 7)]]
-    llm.generate(prompts, params, use_tqdm=False)
-    assert (runner._step._cache_size(), runner._sample._cache_size()) == before
+    with _count_compiles() as events:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert events == []
+    assert llm.llm_engine.runner.num_lazy_compiles == 0
+
+
+def test_precompile_none_compiles_on_first_use_with_the_same_tokens(llm):
+    """precompile="none" starts with nothing compiled; shapes compile as steps reach them, once, and the
+    tokens are those of an engine that compiled everything ahead."""
+    lazy = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(precompile="none"))
+    assert lazy.llm_engine.info()["compiled_step_shapes"] == 0
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (3, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in lazy.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    runner = lazy.llm_engine.runner
+    assert runner.num_lazy_compiles == len(runner.compiled_shapes) > 0
+    with _count_compiles() as events:  # the same shapes again: nothing new
+        lazy.generate(prompts, params, use_tqdm=False)
+    assert events == [] and runner.num_lazy_compiles == len(runner.compiled_shapes)
 
 
 def test_min_tokens_holds_back_stop_tokens(llm):
