@@ -157,6 +157,6 @@ class ParallelConfig:
 class RunnerConfig:
     enforce_eager: bool
     attention_backend: str  # resolved: "reference" | "xla" | "pallas"
-    compilation_cache_dir: Optional[str]
+    compilation_cache_dir: Optional[str]  # resolved: None when off
     platform: str  # "cpu" | "gpu" | "tpu"
     precompile: str = "all"  # resolved: "all" | "common" | "none"

@@ -69,7 +69,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
 
     args.validate()
     platform = current_platform()
-    enable_compilation_cache(args.compilation_cache_dir)
+    cache_dir = enable_compilation_cache(args.compilation_cache_dir)
     path, fmt = resolve_model_path(args.model, args.load_format)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
     backend = resolve_backend(args.attention_backend, platform)
@@ -117,7 +117,7 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
         max_num_seqs, max_batched, max_model_len, args.enable_chunked_prefill, args.long_prefill_token_threshold
     )
     precompile = args.precompile if args.precompile != "auto" else ("common" if platform == "cpu" else "all")
-    runner_config = RunnerConfig(args.enforce_eager, backend, args.compilation_cache_dir, platform, precompile)
+    runner_config = RunnerConfig(args.enforce_eager, backend, cache_dir, platform, precompile)
     runner = ModelRunner(model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh)
     del model
     scheduler = Scheduler(

@@ -85,6 +85,10 @@ def read_text_config(path: str):
     return read_hf_config(path)
 
 
+# Any one of these makes a directory a tokenizer transformers can load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
 def load_tokenizer(path: str, tokenizer: Optional[str] = None):
     """transformers' fast tokenizer for the model (from its directory, or built from GGUF metadata);
     ``tokenizer`` overrides where it comes from."""
@@ -94,6 +98,13 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None):
         from jaxserve.models.loader.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(path)
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        # Fail before transformers does: its search for a tokenizer class imports its model code (and torch
+        # where installed), ~10 s of a start-up on a GPU machine, to end in the same error.
+        raise ValueError(
+            f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); add them, pass tokenizer=..., or run "
+            "with skip_tokenizer_init=True and token-id prompts"
+        )
     from transformers import AutoTokenizer
 
     try:

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from tqdm.auto import tqdm
 from jaxserve import buckets, sharding
 from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
@@ -144,7 +146,9 @@ class ModelRunner:
         self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
         self.num_steps = 0
         self.compiled_shapes: set[tuple[int, int]] = set()  # (T, B) compiled at start-up or since
+        self._programs: dict[tuple[int, int], Any] = {}  # (T, B) -> the start-up's compiled step (jax.stages.Compiled)
         self.num_lazy_compiles = 0
+        self.num_loaded_programs = 0  # step programs the warm-up read from the executable store
 
     # ------------------------------------------------------------------ sizing
 
@@ -224,9 +228,8 @@ class ModelRunner:
             hidden, self.kv_caches = self._eager_model(input_ids, self.kv_caches, md)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
             return _sample_padded(logits, sampling_md, self.max_rows)
-        logits, self.kv_caches = self._step(
-            self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, md
-        )
+        step = self._programs.get((x.input_ids.shape[0], x.block_tables.shape[1]), self._step)
+        logits, self.kv_caches = step(self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, md)
         return self._sample(logits, sampling_md)
 
     # ------------------------------------------------------------------ compile
@@ -235,33 +238,65 @@ class ModelRunner:
         """Compile the start-up step shapes (``runner_config.precompile``) and their sampler variants; returns
         seconds. Other shapes compile on first use (``dispatch`` logs each).
 
-        Ahead-of-time: each program is traced and lowered here (Python, under the GIL), then compiled in a
-        thread pool, since XLA compiles without the GIL: the shapes compile side by side on the host's cores.
-        The compiled programs land in jit's in-memory cache (and in the persistent cache), so the first real
-        step of a shape only looks them up. Nothing runs on CPU, where a dummy step of a large bucket costs
-        real seconds; on accelerators the largest step runs once, so a memory shortfall shows at start-up.
+        Ahead-of-time: a step program stored by an earlier start (accelerators: jaxserve.executable_store)
+        is loaded without tracing; any other is traced and lowered here (Python, under the GIL), then
+        compiled in a thread pool, since XLA compiles without the GIL: the shapes compile side by side on
+        the host's cores. The steps then call those compiled programs directly; the sampler's land in jit's
+        in-memory cache. Nothing runs on CPU, where a dummy step of a large bucket costs real seconds; on
+        accelerators the largest step runs once, so a memory shortfall shows at start-up.
         """
         if self._eager_model is not None:
             return 0.0
         start = time.perf_counter()
         shapes = buckets.startup_shapes(self.token_buckets, self.width_buckets, self.runner_config.precompile)
+        store = self._executable_store()
         workers = max(1, min(len(shapes), os.cpu_count() or 1, 8))
         bar = tqdm(total=len(shapes), desc="Compiling step shapes", unit="shape", disable=not progress, leave=False)
+
+        def compile_step(t: int, b: int, lowered) -> None:
+            self._programs[(t, b)] = program = lowered.compile()
+            if store is not None:
+                store.save(f"step-t{t}-b{b}", program)
+
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
             jobs = [pool.submit(lowered.compile) for lowered in self._lower_sampler(shapes)]
-            step_jobs = []
             for t, b in shapes:
-                step_jobs.append(pool.submit(self._step.lower(*self._dummy_args(t, b)).compile))
-                step_jobs[-1].add_done_callback(lambda _: bar.update())
-            for job in concurrent.futures.as_completed(jobs + step_jobs):
+                program = store.load(f"step-t{t}-b{b}", list(self.mesh.devices.flat)) if store is not None else None
+                if program is not None:
+                    self._programs[(t, b)] = program
+                    bar.update()
+                    continue
+                jobs.append(pool.submit(compile_step, t, b, self._step.lower(*self._dummy_args(t, b))))
+                jobs[-1].add_done_callback(lambda _: bar.update())
+            for job in concurrent.futures.as_completed(jobs):
                 job.result()  # a failed compile raises here, at start-up
         bar.close()
         self.compiled_shapes.update(shapes)
+        self.num_loaded_programs = store.hits if store is not None else 0
+        if store is not None:
+            logger.info("step programs: %d loaded from %s, %d compiled", store.hits, store.root, store.misses)
         if shapes and self.runner_config.platform != "cpu":
             t, b = max(shapes)
-            logits, self.kv_caches = self._step(*self._dummy_args(t, b))
+            logits, self.kv_caches = self._programs[(t, b)](*self._dummy_args(t, b))
             jax.block_until_ready(logits)
         return time.perf_counter() - start
+
+    def _executable_store(self) -> ExecutableStore | None:
+        """Where step programs persist between starts, keyed by everything (besides the code and JAX) that
+        shapes them."""
+        context = {
+            "model": repr(self.text_config),
+            "model_config": repr(self.model_config),
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "max_rows": self.max_rows,
+            "max_num_seqs": self.scheduler_config.max_num_seqs,
+            "runner": repr(self.runner_config),
+            "mesh": [repr(self.mesh.shape), [d.id for d in self.mesh.devices.flat]],
+            "params": [(x.shape, str(x.dtype), repr(x.sharding)) for x in self.params],
+            "tree": str(self._treedef),
+        }
+        return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)
 
     def _lower_sampler(self, shapes: list[tuple[int, int]]) -> list:
         """The sampler's programs for every row count S the start-up shapes reach (S depends on T only); the
