@@ -48,6 +48,8 @@ class ExecutableStore:
             from jax.experimental import serialize_executable  # noqa: F401
         except ImportError:
             return None
+        if platform == "gpu":
+            _load_mosaic_gpu_runtime()
         root = os.path.join(cache_dir, "executables")
         os.makedirs(root, exist_ok=True)
         return cls(root, context)
@@ -87,6 +89,16 @@ class ExecutableStore:
             os.replace(tmp, path)  # atomic: a concurrent reader sees the whole entry or none
         except Exception as e:  # noqa: BLE001 - the store is an optimisation only
             logger.warning("could not store the compiled program %s (%s: %s)", path, type(e).__name__, e)
+
+
+def _load_mosaic_gpu_runtime() -> None:
+    """A program with Mosaic GPU kernels (the Pallas prefill) finds their runtime library through an
+    environment variable that importing jax.experimental.mosaic.gpu sets. A traced start imports it while
+    tracing the kernels; a start that only loads programs must import it itself."""
+    try:
+        import jax.experimental.mosaic.gpu  # noqa: F401
+    except ImportError:
+        pass
 
 
 def _digest(obj: Any) -> str:
