@@ -147,6 +147,7 @@ class ModelRunner:
         self.num_steps = 0
         self.compiled_shapes: set[tuple[int, int]] = set()  # (T, B) compiled at start-up or since
         self._programs: dict[tuple[int, int], Any] = {}  # (T, B) -> the start-up's compiled step (jax.stages.Compiled)
+        self._sampler_programs: dict[tuple, Any] = {}  # _sampler_key -> the start-up's compiled sampler
         self.num_lazy_compiles = 0
         self.num_loaded_programs = 0  # step programs the warm-up read from the executable store
 
@@ -230,7 +231,7 @@ class ModelRunner:
             return _sample_padded(logits, sampling_md, self.max_rows)
         step = self._programs.get((x.input_ids.shape[0], x.block_tables.shape[1]), self._step)
         logits, self.kv_caches = step(self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, md)
-        return self._sample(logits, sampling_md)
+        return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md)
 
     # ------------------------------------------------------------------ compile
 
@@ -258,8 +259,19 @@ class ModelRunner:
             if store is not None:
                 store.save(f"step-t{t}-b{b}", program)
 
+        def compile_sampler(key: tuple, lowered) -> None:
+            self._sampler_programs[key] = program = lowered.compile()
+            if store is not None:
+                store.save(_sampler_name(key), program)
+
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
-            jobs = [pool.submit(lowered.compile) for lowered in self._lower_sampler(shapes)]
+            jobs = []
+            for key, lower in self._sampler_variants(shapes):
+                program = store.load(_sampler_name(key), list(self.mesh.devices.flat)) if store is not None else None
+                if program is not None:
+                    self._sampler_programs[key] = program
+                else:
+                    jobs.append(pool.submit(compile_sampler, key, lower()))
             for t, b in shapes:
                 program = store.load(f"step-t{t}-b{b}", list(self.mesh.devices.flat)) if store is not None else None
                 if program is not None:
@@ -298,16 +310,17 @@ class ModelRunner:
         }
         return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)
 
-    def _lower_sampler(self, shapes: list[tuple[int, int]]) -> list:
-        """The sampler's programs for every row count S the start-up shapes reach (S depends on T only); the
-        logprobs variants only with precompile="all" (others compile on first use)."""
+    def _sampler_variants(self, shapes: list[tuple[int, int]]) -> list[tuple[tuple, Any]]:
+        """(key, lower) for the sampler's programs at every row count S the start-up shapes reach (S depends on
+        T only); the logprobs variants only with precompile="all" (others compile on first use, through jit)."""
         with_logprobs = self.runner_config.precompile == "all"
         rows = sorted({buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs) for t, _ in shapes})
         out = []
         for s in rows:
             # The sharding the step's logits really have: with another, the first real call would miss this program.
             logits = jax.ShapeDtypeStruct((s, self.text_config.vocab_size), jnp.float32, sharding=self._logits_sharding)
-            out += [self._sample.lower(logits, md) for md in SamplingMetadata.warmup_variants(s, with_logprobs)]
+            for md in SamplingMetadata.warmup_variants(s, with_logprobs):
+                out.append((_sampler_key(md), functools.partial(self._sample.lower, logits, md)))
         return out
 
     def _dummy_args(self, t: int, b: int) -> tuple:
@@ -315,6 +328,16 @@ class ModelRunner:
         s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
         x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
         return self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, self._metadata(x)
+
+
+def _sampler_key(md: SamplingMetadata) -> tuple:
+    """What selects one compiled sampler: the row count, the static flags and the history width."""
+    return (md.num_rows, md.all_greedy, md.needs_penalties, md.needs_filters, md.needs_logprobs, md.needs_bans,
+            md.history.shape[1])
+
+
+def _sampler_name(key: tuple) -> str:
+    return "sample-" + "-".join(str(int(v)) for v in key)
 
 
 def _dummy_inputs(t: int, s: int, b: int, dropped_slot: int) -> StepInputs:
