@@ -304,8 +304,10 @@ class ModelRunner:
             "max_rows": self.max_rows,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "runner": repr(self.runner_config),
-            "mesh": [repr(self.mesh.shape), [d.id for d in self.mesh.devices.flat]],
-            "params": [(x.shape, str(x.dtype), repr(x.sharding)) for x in self.params],
+            # Not the device ids: a data-parallel replica on other devices of the same kind loads the same
+            # programs onto its own devices.
+            "mesh": repr(dict(self.mesh.shape)),
+            "params": [(x.shape, str(x.dtype), repr(getattr(x.sharding, "spec", x.sharding))) for x in self.params],
             "tree": str(self._treedef),
         }
         return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)
