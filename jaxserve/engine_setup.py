@@ -59,10 +59,13 @@ def current_platform() -> str:
 def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any = None) -> EngineComponents:
     """One engine (one data-parallel replica) on ``mesh``: a (1, tp) mesh from jaxserve.sharding, by default
     row 0 of the global mesh. DP engines call this once per replica with that replica's row."""
+    import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from jaxserve import sharding
     from jaxserve.model_loader import load_model, read_text_config, resolve_model_path
+    from jaxserve.models.loader.weights import param_bytes
     from jaxserve.model_runner import ModelRunner
     from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn, resolve_backend
     from jaxserve.scheduler import Scheduler
@@ -85,10 +88,13 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     t0 = time.perf_counter()
     model, text_config = load_model(
         path, fmt, dtype=jnp.dtype(dtype), attention_fn=attention_fn, seed=args.seed,
-        shardings_fn=sharding.shardings_fn(mesh), fp32_matmul_precision=args.fp32_matmul_precision,
+        shardings_fn=sharding.shardings_fn(mesh), fp32_matmul_precision=args.fp32_matmul_precision, progress=progress,
     )
+    jax.block_until_ready(nnx.state(model))  # loaders dispatch asynchronously: time the arrival
+    weight_bytes = param_bytes(model)
     load_s = time.perf_counter() - t0
     tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
+    tokenizer_s = time.perf_counter() - t0 - load_s
 
     model_max = text_config.max_position_embeddings
     max_model_len = args.max_model_len or model_max
@@ -131,8 +137,10 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     )
     compile_s = runner.warmup(progress=progress)
     logger.info(
-        "jaxserve ready: %s (%s, %s, tp=%d on %s) loaded in %.1fs, %d KV blocks, %d step shapes compiled in %.1fs",
-        served, fmt, dtype, tp, [d.id for d in mesh.devices.flat], load_s, runner.num_blocks,
+        "jaxserve ready: %s (%s, %s, tp=%d on %s) %.2f GB of weights loaded in %.1fs (%.2f GB/s), tokenizer %.1fs, "
+        "%d KV blocks, %d step shapes compiled in %.1fs",
+        served, fmt, dtype, tp, [d.id for d in mesh.devices.flat], weight_bytes / 1e9, load_s,
+        weight_bytes / 1e9 / max(load_s, 1e-9), tokenizer_s, runner.num_blocks,
         len(runner.token_buckets) * len(runner.width_buckets), compile_s,
     )
     eos = set(text_config.eos_token_ids or ())
