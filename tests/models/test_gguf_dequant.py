@@ -54,11 +54,14 @@ def test_unpermute_transpose_and_cast_in_one_program(dtype):
     np.testing.assert_array_equal(np.asarray(got), expected)
 
 
-def test_quantized_llama_loads_like_its_host_tensors(tmp_path):
-    """The model loader's device path (packed tensors) builds the same parameters as the host path."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_quantized_llama_loads_like_its_host_tensors(tmp_path, tp):
+    """The model loader's device path (packed tensors) builds the same parameters as the host path,
+    placed by the mesh's shardings when tensor-parallel (each device decodes and keeps its shard)."""
     from flax import nnx
     from test_gguf_tiny import random_hf_tensors, write_tiny_gguf
 
+    from jaxserve import sharding
     from jaxserve.model_loader import load_model
     from jaxserve.models.config import TextModelConfig
     from jaxserve.models.loader.gguf import read_gguf
@@ -74,7 +77,10 @@ def test_quantized_llama_loads_like_its_host_tensors(tmp_path):
         return T.Q4_1 if array.ndim == 2 and array.shape[1] % 32 == 0 else None  # the 48-wide down_proj: F32
 
     write_tiny_gguf(path, "llama", hf, permute_qk=True, qtype=qtype)
-    model, cfg = load_model(str(path), "gguf", dtype=jnp.float32, attention_fn=paged_attention)
+    mesh = sharding.replica_meshes(sharding.make_mesh(tp, 1))[0]
+    model, cfg = load_model(
+        str(path), "gguf", dtype=jnp.float32, attention_fn=paged_attention, shardings_fn=sharding.shardings_fn(mesh)
+    )
     ckpt = read_gguf(path)
     assert {t.tensor_type for t in ckpt._file.tensors} >= {T.Q8_0, T.Q4_1, T.F32}
     reference = load_from_hf_tensors(
@@ -84,6 +90,9 @@ def test_quantized_llama_loads_like_its_host_tensors(tmp_path):
     got, want = nnx.to_flat_state(nnx.state(model)), dict(nnx.to_flat_state(nnx.state(reference)))
     for path_, var in got:
         np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want[path_].get_value()), err_msg=str(path_))
+    q_kernel = model.model.layers[0].self_attn.q_proj.kernel.get_value()  # [in, out]: heads split over "model"
+    assert len(q_kernel.sharding.device_set) == tp
+    assert q_kernel.addressable_shards[0].data.shape == (q_kernel.shape[0], q_kernel.shape[1] // tp)
 
 
 @pytest.mark.slow
