@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from jaxserve.config import CacheConfig, EngineArgs, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 
@@ -56,9 +56,13 @@ def current_platform() -> str:
     return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
-def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any = None) -> EngineComponents:
+def build_engine_components(
+    args: EngineArgs, progress: bool = True, mesh: Any = None, before_warmup: Optional[Callable[[], None]] = None
+) -> EngineComponents:
     """One engine (one data-parallel replica) on ``mesh``: a (1, tp) mesh from jaxserve.sharding, by default
-    row 0 of the global mesh. DP engines call this once per replica with that replica's row."""
+    row 0 of the global mesh. DP engines call this once per replica with that replica's row.
+    ``before_warmup()``, if given, runs after loading and before compiling (a DP replica waits there until
+    replica 0 has filled the compilation cache)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -135,6 +139,8 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
+    if before_warmup is not None:
+        before_warmup()
     compile_s = runner.warmup(progress=progress)
     logger.info(
         "jaxserve ready: %s (%s, %s, tp=%d on %s) %.2f GB of weights loaded in %.1fs (%.2f GB/s), tokenizer %.1fs, "
