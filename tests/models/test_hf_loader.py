@@ -170,7 +170,9 @@ def test_weight_progress_bar_counts_the_model_bytes(tiny_dir, monkeypatch, loade
 
     monkeypatch.setattr(weights, "tqdm", Recording)
     for progress in (False, True):
-        model, _ = load_model(str(tiny_dir), loader, dtype=jnp.bfloat16, attention_fn=paged_attention, progress=progress)
+        model, _ = load_model(
+            str(tiny_dir), loader, dtype=jnp.bfloat16, attention_fn=paged_attention, progress=progress
+        )
         assert bars[-1].hidden == (not progress)
     total = weights.param_bytes(model)
     assert total == sum(x.size * 2 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # bfloat16
