@@ -77,6 +77,9 @@ class DPEngine:
         sharding.check_device_count(tp, dp, count, platform)  # cheap checks first: no process for a bad config
         if tp > 1:
             sharding.check_tensor_parallel(read_text_config(resolve_model_path(args.model, args.load_format)[0]), tp)
+        # With the persistent compilation cache on, replicas > 0 compile after replica 0 is ready and find
+        # its executables there (their loading still overlaps replica 0's); without it, all compile at once.
+        cache_on = args.compilation_cache_dir != ""
         init = {"args": args, "progress": progress, "sys_path": list(sys.path),
                 "log_level": logging.getLogger("jaxserve").getEffectiveLevel()}
         replicas: list[EngineCoreClient] = []
@@ -85,8 +88,10 @@ class DPEngine:
                 logger.info("starting data-parallel replica %d/%d on %s devices %s%s", i + 1, dp, platform, ids,
                             f", CPU cores {cpus}" if cpus else "")
                 # Only replica 0 draws progress bars: the others build the same engine at the same time.
-                replicas.append(EngineCoreClient(i, ids, env, cpus, {**init, "progress": progress and i == 0}))
-            _wait_ready(replicas)
+                replicas.append(EngineCoreClient(
+                    i, ids, env, cpus, {**init, "progress": progress and i == 0, "wait_for_warmup": cache_on and i > 0}
+                ))  # fmt: skip
+            _wait_ready(replicas, release_after_first=cache_on)
         except BaseException:
             _close_all(replicas)
             raise
@@ -225,8 +230,9 @@ class DPEngine:
         return out
 
 
-def _wait_ready(replicas: list[EngineCoreClient]) -> None:
-    """Wait until every replica has built its engine (they build in parallel)."""
+def _wait_ready(replicas: list[EngineCoreClient], release_after_first: bool) -> None:
+    """Wait until every replica has built its engine (they load in parallel). ``release_after_first``: the
+    others wait to compile until replica 0 is ready, and are sent "warmup" then."""
     pending = {r.conn: r for r in replicas}
     while pending:
         for conn in wait(list(pending)):
@@ -244,6 +250,9 @@ def _wait_ready(replicas: list[EngineCoreClient]) -> None:
                     pending.pop(conn)
                     logger.info("data-parallel replica %d ready (pid %d, devices %s)", replica.index,
                                 msg[1]["pid"], msg[1]["devices"])
+                    if release_after_first and replica.index == 0:  # its executables are in the cache now
+                        for other in replicas[1:]:
+                            other.send(("warmup",))
 
 
 def _close_all(replicas: list[EngineCoreClient]) -> None:

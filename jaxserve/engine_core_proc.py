@@ -11,6 +11,8 @@ tuples:
 
 router -> core                                  core -> router
 ("init", dict)           first message          ("ready", dict)  configs, tokenizer (replica 0), info, stats
+("warmup",)              replica 0 is ready:    (replicas > 0 with the compilation cache on wait for it
+                         compile now            after loading, so they read replica 0's executables)
 ("add", id, prompt, params, arrival)            ("out", outputs, stats, adds) after every step
 ("abort", seq, ids)                             ("aborted", seq, outputs, stats, adds)
 ("rpc", seq, fn, args)   fn(engine, *args)      ("rpc_done", seq, result or exception)
@@ -86,18 +88,38 @@ def _picklable(error: BaseException) -> Optional[BaseException]:
 # ---------------------------------------------------------------- the core
 
 
-def build_engine(init: dict[str, Any]):
-    """The replica's LLMEngine on all the devices this process sees (its tensor-parallel group)."""
+def build_engine(init: dict[str, Any], commands: Optional[Connection] = None):
+    """The replica's LLMEngine on all the devices this process sees (its tensor-parallel group).
+
+    With ``init["wait_for_warmup"]`` the replica loads its weights at once but compiles only after the
+    router's "warmup" command (read from ``commands``), sent when replica 0 is ready: every replica's
+    processes number their devices from 0, so replica 0's entries in the persistent compilation cache are
+    the very executables the others need, and DP=N compiles once instead of N times at once.
+    """
     from jaxserve import sharding
     from jaxserve.engine_setup import build_engine_components
     from jaxserve.llm_engine import LLMEngine
 
     args, index = init["args"], init["index"]
     mesh = sharding.replica_meshes(sharding.make_mesh(args.tensor_parallel_size, 1))[0]
-    engine = LLMEngine(build_engine_components(args, progress=init["progress"], mesh=mesh))
+    before_warmup = None
+    if init.get("wait_for_warmup"):
+        before_warmup = lambda: _wait_for_warmup(commands, index)  # noqa: E731
+    engine = LLMEngine(
+        build_engine_components(args, progress=init["progress"], mesh=mesh, before_warmup=before_warmup)
+    )
     # Unseeded requests draw their seeds from the engine's RNG: give replicas different streams.
     engine._rng.seed(args.seed * 1_000_003 + index)
     return engine
+
+
+def _wait_for_warmup(commands: Connection, index: int) -> None:
+    logger.info("replica %d loaded; waiting for replica 0 to fill the compilation cache", index)
+    kind = receive(commands)[0]
+    if kind == "stop":  # the router gave up (replica 0 failed): leave quietly, as on EOF
+        raise EOFError
+    if kind != "warmup":
+        raise ValueError(f"unexpected command {kind!r} from the router before warm-up")
 
 
 def ready_message(engine, init: dict[str, Any]) -> tuple:
@@ -170,7 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             level=init["log_level"],
             format=f"%(levelname)s %(asctime)s [replica {init['index']}] %(name)s: %(message)s",
         )
-        engine = build_engine(init)
+        engine = build_engine(init, commands)
         sender.send(ready_message(engine, init))
         serve(engine, commands, sender)
     except (EOFError, BrokenPipeError):

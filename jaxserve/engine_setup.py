@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from jaxserve.config import CacheConfig, EngineArgs, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 
@@ -56,13 +56,20 @@ def current_platform() -> str:
     return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
-def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any = None) -> EngineComponents:
+def build_engine_components(
+    args: EngineArgs, progress: bool = True, mesh: Any = None, before_warmup: Optional[Callable[[], None]] = None
+) -> EngineComponents:
     """One engine (one data-parallel replica) on ``mesh``: a (1, tp) mesh from jaxserve.sharding, by default
-    row 0 of the global mesh. DP engines call this once per replica with that replica's row."""
+    row 0 of the global mesh. DP engines call this once per replica with that replica's row.
+    ``before_warmup()``, if given, runs after loading and before compiling (a DP replica waits there until
+    replica 0 has filled the compilation cache)."""
+    import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from jaxserve import sharding
     from jaxserve.model_loader import load_model, read_text_config, resolve_model_path
+    from jaxserve.models.loader.weights import param_bytes
     from jaxserve.model_runner import ModelRunner
     from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn, resolve_backend
     from jaxserve.scheduler import Scheduler
@@ -85,10 +92,13 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
     t0 = time.perf_counter()
     model, text_config = load_model(
         path, fmt, dtype=jnp.dtype(dtype), attention_fn=attention_fn, seed=args.seed,
-        shardings_fn=sharding.shardings_fn(mesh), fp32_matmul_precision=args.fp32_matmul_precision,
+        shardings_fn=sharding.shardings_fn(mesh), fp32_matmul_precision=args.fp32_matmul_precision, progress=progress,
     )
+    jax.block_until_ready(nnx.state(model))  # loaders dispatch asynchronously: time the arrival
+    weight_bytes = param_bytes(model)
     load_s = time.perf_counter() - t0
     tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
+    tokenizer_s = time.perf_counter() - t0 - load_s
 
     model_max = text_config.max_position_embeddings
     max_model_len = args.max_model_len or model_max
@@ -130,11 +140,14 @@ def build_engine_components(args: EngineArgs, progress: bool = True, mesh: Any =
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
+    if before_warmup is not None:
+        before_warmup()
     compile_s = runner.warmup(progress=progress)
     logger.info(
-        "jaxserve ready: %s (%s, %s, tp=%d on %s) loaded in %.1fs, %d KV blocks, %d of %d step shapes compiled in "
-        "%.1fs (precompile=%s; the rest compile on first use)",
-        served, fmt, dtype, tp, [d.id for d in mesh.devices.flat], load_s, runner.num_blocks,
+        "jaxserve ready: %s (%s, %s, tp=%d on %s) %.2f GB of weights loaded in %.1fs (%.2f GB/s), tokenizer %.1fs, "
+        "%d KV blocks, %d of %d step shapes compiled in %.1fs (precompile=%s; the rest compile on first use)",
+        served, fmt, dtype, tp, [d.id for d in mesh.devices.flat], weight_bytes / 1e9, load_s,
+        weight_bytes / 1e9 / max(load_s, 1e-9), tokenizer_s, runner.num_blocks,
         len(runner.compiled_shapes), len(runner.token_buckets) * len(runner.width_buckets), compile_s, precompile,
     )
     eos = set(text_config.eos_token_ids or ())

@@ -41,15 +41,18 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
 
 
 def load_model(
-    path: str, fmt: str, *, dtype, attention_fn, seed: int = 0, shardings_fn=None, fp32_matmul_precision="highest"
-):
+    path: str, fmt: str, *, dtype, attention_fn, seed: int = 0, shardings_fn=None, fp32_matmul_precision="highest",
+    progress: bool = False,
+):  # fmt: skip
     """Returns (model, TextModelConfig). ``shardings_fn(abstract_model)`` places parameters as they load (TP);
-    ``fp32_matmul_precision`` is how a float32 model's matmuls run (jaxserve.pallas_kernels.precision)."""
+    ``fp32_matmul_precision`` is how a float32 model's matmuls run (jaxserve.pallas_kernels.precision);
+    ``progress`` shows a progress bar over the weights."""
     from jaxserve.models.config import TextModelConfig
 
     kw = dict(
-        dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn, fp32_matmul_precision=fp32_matmul_precision
-    )
+        dtype=dtype, attention_fn=attention_fn, shardings_fn=shardings_fn, fp32_matmul_precision=fp32_matmul_precision,
+        progress=progress,
+    )  # fmt: skip
 
     if fmt == "safetensors":
         from jaxserve.models.loader.hf import load_hf_model
@@ -61,7 +64,7 @@ def load_model(
 
         ckpt = read_gguf(path)
         cfg = TextModelConfig.from_hf_config(ckpt.hf_config)
-        model = load_from_hf_tensors(cfg, ckpt.tensors(), **kw)
+        model = load_from_hf_tensors(cfg, ckpt.packed_tensors(), **kw)
         return model, cfg
     if fmt == "dummy":
         from jaxserve.models.loader.dummy import load_dummy_model

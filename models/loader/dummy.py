@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import TextModelConfig
+from jaxserve.models.loader.weights import weights_bar
 from jaxserve.models.registry import abstract_model
 from jaxserve.pallas_kernels.attention import AttentionFn
 
@@ -22,6 +23,7 @@ def load_dummy_model(
     seed: int = 0,
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
     fp32_matmul_precision: str = "highest",
+    progress: bool = False,
 ) -> nnx.Module:
     """A model with HF-style random initialisation (projections and embeddings ~ N(0, 0.02), norm scales
     1, biases 0), so activations and logits stay finite.
@@ -42,10 +44,13 @@ def load_dummy_model(
         sharding_leaves = [None] * len(leaves)
     root = jax.random.key(seed)
     arrays = []
+    bar = weights_bar([leaf for _, leaf in leaves], progress)
     for i, ((path, leaf), sharding) in enumerate(zip(leaves, sharding_leaves)):
         name = jax.tree_util.keystr(path)
         kind = "ones" if "norm" in name and "scale" in name else ("zeros" if "bias" in name else "normal")
         arrays.append(_generator(kind, leaf.shape, jnp.dtype(leaf.dtype), sharding)(jax.random.fold_in(root, i)))
+        bar.update(arrays[-1].nbytes)
+    bar.close()
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
 
 

@@ -1,13 +1,15 @@
 """Reading GGUF checkpoints (llama.cpp's file format) without torch.
 
-``read_gguf(path)`` gives a config.json-style dict and the weights as float32 numpy arrays under their
-Hugging Face names, so the GGUF path meets the safetensors path at ``TextModelConfig.from_hf_config``
-and the HF-name weight loader. Parsing and dequantization are the ``gguf`` package's; this file only
-renames tensors and undoes llama.cpp's row reordering of Q and K.
+``read_gguf(path)`` gives a config.json-style dict and the weights under their Hugging Face names, so
+the GGUF path meets the safetensors path at ``TextModelConfig.from_hf_config`` and the HF-name weight
+loader. The header is parsed by ``gguf_file`` (a quick single pass), the weights are dequantized on the
+device by ``gguf_dequant`` when loading a model, and by ``gguf.quants`` on the host for ``tensors()``;
+this file renames tensors and knows which rows llama.cpp reordered.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -15,9 +17,14 @@ from functools import cached_property
 from typing import Any, Iterator
 
 import gguf
+import jax
 import numpy as np
 
 from jaxserve.models.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, build_hf_config
+from jaxserve.models.loader.gguf_dequant import to_device, undo_rope_permutation
+from jaxserve.models.loader.gguf_file import GGUFFile, TensorInfo
+
+__all__ = ["GGUFCheckpoint", "GGUFTensor", "open_gguf", "read_gguf", "undo_rope_permutation"]
 
 # Whole-model tensors: GGUF name -> HF name.
 _GLOBAL_NAMES = {
@@ -52,38 +59,56 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def read_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
-    """Open a GGUF file (memory-mapped: nothing is dequantized until ``tensors()`` runs)."""
+    """Open a GGUF file (memory-mapped: no weight is read until ``tensors()`` or ``packed_tensors()`` runs)."""
     return GGUFCheckpoint(os.fspath(path))
 
 
-def open_gguf_reader(path: str | os.PathLike) -> gguf.GGUFReader:
-    """A ``gguf.GGUFReader`` for ``path``, shared by the weight and tokenizer loaders.
-
-    The reader parses every metadata array up front (a large vocabulary takes seconds), and serving a
-    file reads it twice (weights, then tokenizer), so the last few readers are kept; a changed file
-    (new size or mtime) is read again.
-    """
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """The parsed header of ``path``, shared by the weight and tokenizer loaders (serving a file reads
+    it twice: weights, then tokenizer); a changed file (new size or mtime) is read again."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path!r}")
     stat = os.stat(path)
-    return _cached_reader(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    return _cached_file(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises bare ValueErrors about magic numbers and offsets
-        raise ValueError(f"{path!r} is not a readable GGUF file: {exc}") from exc
+def _cached_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One stored tensor, not yet read: ``shape`` is its HF shape; ``to_param`` and ``to_numpy`` decode it."""
+
+    file: GGUFFile
+    info: TensorInfo
+    rope_heads: int | None  # llama.cpp reordered these rows for this many heads (llama Q/K), else None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+    def to_param(self, *, transpose: bool, dtype: Any, sharding: Any = None) -> jax.Array:
+        """The parameter, decoded on the device in one pass (``transpose``: HF [out, in] -> [in, out])."""
+        return to_device(
+            self.file.raw(self.info), self.info.tensor_type, self.info.shape,
+            rope_heads=self.rope_heads, transpose=transpose, dtype=dtype, sharding=sharding,
+        )  # fmt: skip
+
+    def to_numpy(self) -> np.ndarray:
+        """A writable float32 array in HF order and layout, decoded on the host by ``gguf.quants``."""
+        array = _dequantize(self.file, self.info)
+        return undo_rope_permutation(array, self.rope_heads) if self.rope_heads else array
 
 
 class GGUFCheckpoint:
-    """One GGUF file seen as a Hugging Face checkpoint: ``hf_config`` and ``tensors()``."""
+    """One GGUF file seen as a Hugging Face checkpoint: ``hf_config`` and its tensors."""
 
     def __init__(self, path: str):
         self.path = path
-        self._reader = open_gguf_reader(path)
+        self._file = open_gguf(path)
         self.architecture: str = self.field("general.architecture", None) or ""
         if self.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
             raise ValueError(
@@ -93,38 +118,42 @@ class GGUFCheckpoint:
 
     def field(self, key: str, default: Any = None) -> Any:
         """The value of one metadata key (a str, number, bool or list), or ``default``."""
-        f = self._reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self._file.fields.get(key, default)
 
     @cached_property
     def hf_config(self) -> dict[str, Any]:
         """A config.json-style dict: ``model_type``, ``architectures`` and HF field names."""
-        names = {t.name for t in self._reader.tensors}
+        names = {t.name for t in self._file.tensors}
         rope_freqs = None
-        for t in self._reader.tensors:
+        for t in self._file.tensors:
             if t.name == "rope_freqs.weight":
-                rope_freqs = _dequantize(t)
+                rope_freqs = _dequantize(self._file, t)
         return build_hf_config(self.architecture, self.field, names, rope_freqs)
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield ``(hf_name, float32 array)`` one tensor at a time, in file order.
-
-        Arrays use HF's layout (linear weights are [out, in]), are writable and are not views of the
-        file, so a caller that converts and drops each one keeps one dequantized tensor alive at a time. There is no
-        ``lm_head.weight`` when ``hf_config["tie_word_embeddings"]`` is true.
-        """
+    def packed_tensors(self) -> Iterator[tuple[str, GGUFTensor]]:
+        """Yield ``(hf_name, GGUFTensor)`` in file order, reading nothing: the model loader decodes each
+        on the device. There is no ``lm_head.weight`` when ``hf_config["tie_word_embeddings"]`` is true."""
         config = self.hf_config
         permute = self.architecture in _PERMUTED_QK_ARCHITECTURES
-        for t in self._reader.tensors:
+        for t in self._file.tensors:
             if t.name in _FOLDED_INTO_CONFIG:
                 continue
             hf_name = self._hf_name(t.name)
-            array = _dequantize(t)
+            rope_heads = None
             if permute and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                array = undo_rope_permutation(array, config["num_attention_heads"])
+                rope_heads = config["num_attention_heads"]
             elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                array = undo_rope_permutation(array, config["num_key_value_heads"])
-            yield hf_name, array
+                rope_heads = config["num_key_value_heads"]
+            yield hf_name, GGUFTensor(self._file, t, rope_heads)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield ``(hf_name, float32 array)`` one tensor at a time, in file order, decoded on the host.
+
+        Arrays use HF's layout (linear weights are [out, in]), are writable and are not views of the
+        file, so a caller that converts and drops each one keeps one dequantized tensor alive at a time.
+        """
+        for hf_name, tensor in self.packed_tensors():
+            yield hf_name, tensor.to_numpy()
 
     def _hf_name(self, name: str) -> str:
         if name in _GLOBAL_NAMES:
@@ -140,26 +169,8 @@ class GGUFCheckpoint:
         )
 
 
-def _dequantize(t: gguf.ReaderTensor) -> np.ndarray:
+def _dequantize(file: GGUFFile, t: TensorInfo) -> np.ndarray:
     """One tensor as a writable float32 array in numpy (row-major, HF) order."""
-    array = gguf.quants.dequantize(t.data, t.tensor_type)
-    # ggml lists dimensions fastest-first; numpy and HF list them slowest-first.
-    expected = tuple(int(d) for d in reversed(t.shape.tolist()))
-    array = array.reshape(expected)
+    array = gguf.quants.dequantize(file.raw(t), t.tensor_type).reshape(t.shape)
     # F32 tensors come back as read-only views of the memory map; copy those so callers own them.
     return np.require(array, dtype=np.float32, requirements=["C", "W"])
-
-
-def undo_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Put llama.cpp's Q or K rows back in Hugging Face order.
-
-    Within one head of d rows, HF's RoPE pairs row i with row i + d/2 (rotate-half), while
-    llama.cpp's pairs rows 2i and 2i+1; so its converter stores HF row ``half*d/2 + i`` at row
-    ``2*i + half``. Here each head's rows are read as (i, half) and written back as (half, i).
-    Works for weights [heads*head_dim, in] and biases [heads*head_dim].
-    """
-    rows = w.shape[0]
-    if rows % (2 * num_heads):
-        raise ValueError(f"cannot split {rows} Q/K rows into {num_heads} heads of pairs")
-    pairs = w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
-    return np.ascontiguousarray(pairs.swapaxes(1, 2)).reshape(w.shape)

@@ -14,7 +14,7 @@ import gguf
 from tokenizers import AddedToken, Tokenizer, processors
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve.models.loader.gguf import open_gguf_reader
+from jaxserve.models.loader.gguf import open_gguf
 from jaxserve.models.loader.gguf_vocab import CONTROL, NORMAL, UNKNOWN, USER_DEFINED, byte_level_bpe, sentencepiece_bpe
 
 _SUPPORTED_MODELS = ("gpt2", "llama")
@@ -28,11 +28,10 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
     and ``chat_template`` is ``tokenizer.chat_template``.
     """
     path = os.fspath(path)
-    fields = open_gguf_reader(path).fields
+    fields = open_gguf(path).fields
 
     def field(key: str, default: Any = None) -> Any:
-        f = fields.get(key)
-        return default if f is None else f.contents()
+        return fields.get(key, default)
 
     K = gguf.Keys.Tokenizer
     kind = field(K.MODEL)

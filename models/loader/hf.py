@@ -20,9 +20,6 @@ from jaxserve.pallas_kernels.attention import AttentionFn
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# Above this many checkpoint bytes, loading shows a progress bar.
-_PROGRESS_BYTES = 256 * 2**20
-
 
 def read_hf_config(model_dir: str | os.PathLike) -> TextModelConfig:
     """The model config of a HF directory, with generation_config.json's extra stop ids merged in
@@ -113,6 +110,7 @@ def load_hf_model(
     attention_fn: AttentionFn,
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
     fp32_matmul_precision: str = "highest",
+    progress: bool = False,
 ) -> tuple[nnx.Module, TextModelConfig]:
     """Build the model of a HF directory with its weights in ``dtype`` on device.
 
@@ -127,7 +125,7 @@ def load_hf_model(
             dtype=dtype,
             attention_fn=attention_fn,
             shardings_fn=shardings_fn,
-            progress=ckpt.total_bytes > _PROGRESS_BYTES,
+            progress=progress,
             fp32_matmul_precision=fp32_matmul_precision,
         )
     return model, cfg

@@ -11,7 +11,7 @@ holds more than one tensor (the tensor source is expected to be lazy, like the s
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,19 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 _LEAF_TO_HF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
 
-# Anything with ``.shape`` that np.asarray accepts (numpy arrays, jax arrays, safetensors' numpy output).
+# Anything with ``.shape`` that np.asarray accepts (numpy arrays, jax arrays, safetensors' numpy output),
+# or a DeviceDecodable.
 Tensor = Any
+
+
+@runtime_checkable
+class DeviceDecodable(Protocol):
+    """A stored tensor that builds its parameter on the device itself (a GGUF tensor dequantizes its
+    packed blocks there, so the host never holds the float32 copy)."""
+
+    shape: tuple[int, ...]  # the HF (checkpoint) shape
+
+    def to_param(self, *, transpose: bool, dtype: Any, sharding: Any = None) -> jax.Array: ...
 
 
 def hf_name(path: tuple) -> str:
@@ -100,7 +111,7 @@ def load_weights(
     flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
 
     loaded = {}
-    bar = tqdm(total=len(params), desc="loading weights", disable=not progress)
+    bar = weights_bar([var.get_value() for _, var in params.values()], progress)
     for name, raw in pairs:
         if name not in params:
             if _ignorable(name, tied_embeddings):
@@ -116,10 +127,14 @@ def load_weights(
         sharding = flat_shardings.get(path)
         if isinstance(sharding, nnx.Variable):
             sharding = sharding.get_value()
-        value = _to_param(np.asarray(raw), transpose=str(path[-1]) == "kernel", dtype=abstract.dtype, sharding=sharding)
+        transpose = str(path[-1]) == "kernel"
+        if isinstance(raw, DeviceDecodable):
+            value = raw.to_param(transpose=transpose, dtype=abstract.dtype, sharding=sharding)
+        else:
+            value = _to_param(np.asarray(raw), transpose=transpose, dtype=abstract.dtype, sharding=sharding)
         loaded[name] = (path, var.replace(value))
         del raw
-        bar.update()
+        bar.update(value.nbytes)
     bar.close()
     check_tensor_names(params, loaded, tied_embeddings=tied_embeddings)  # anything still missing
     return nnx.merge(graphdef, nnx.from_flat_state([loaded[name] for name in params]))
@@ -145,6 +160,21 @@ def load_from_hf_tensors(
     return load_weights(
         abstract, tensors, tied_embeddings=cfg.tie_word_embeddings, shardings=shardings, progress=progress
     )
+
+
+def weights_bar(abstract_leaves: Iterable[Any], progress: bool) -> tqdm:
+    """A progress bar over the bytes of the parameters being made (``abstract_leaves``: their
+    ``ShapeDtypeStruct``s), so its rate reads in GB/s; hidden when ``progress`` is false."""
+    total = sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in abstract_leaves)
+    return tqdm(
+        total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1000, disable=not progress,
+        leave=False,
+    )  # fmt: skip
+
+
+def param_bytes(model: nnx.Module) -> int:
+    """Bytes of all parameters of ``model`` as placed (global sizes, in their dtypes)."""
+    return sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def _to_param(raw: np.ndarray, *, transpose: bool, dtype, sharding) -> jax.Array:

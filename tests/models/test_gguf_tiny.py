@@ -60,7 +60,8 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
 
 
-def write_tiny_gguf(path, arch, hf_tensors, *, permute_qk, dtype=np.float32, extra=None, rope_freqs=None):
+def write_tiny_gguf(path, arch, hf_tensors, *, permute_qk, dtype=np.float32, extra=None, rope_freqs=None, qtype=None):
+    """``qtype(hf_name, array)``, if given, names a gguf quantization type for a tensor (None: store as ``dtype``)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L)
     w.add_context_length(256)
@@ -81,8 +82,11 @@ def write_tiny_gguf(path, arch, hf_tensors, *, permute_qk, dtype=np.float32, ext
             array = llama_cpp_permute(array, NH)
         elif permute_qk and ".k_proj." in name:
             array = llama_cpp_permute(array, NKV)
-        # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the file type.
-        w.add_tensor(gguf_name(name), array.astype(dtype) if array.ndim == 2 else array)
+        quant = qtype(name, array) if qtype else None
+        if quant is not None:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(array, quant), raw_dtype=quant)
+        else:  # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the file type.
+            w.add_tensor(gguf_name(name), array.astype(dtype) if array.ndim == 2 else array)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()

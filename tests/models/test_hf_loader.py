@@ -151,3 +151,29 @@ def test_stream_of_pairs_loads_and_is_checked(tiny_dir):
     with pytest.raises(ValueError, match=r"unexpected tensor 'model\.extra\.weight'"):
         load_from_hf_tensors(cfg, iter([("model.extra.weight", np.ones(3))] + pairs),
                              dtype=jnp.float32, attention_fn=paged_attention)
+
+
+
+@pytest.mark.parametrize("loader", ["safetensors", "dummy"])
+def test_weight_progress_bar_counts_the_model_bytes(tiny_dir, monkeypatch, loader):
+    """progress=True draws a bar over the parameters' bytes that ends at the model's size; False hides it."""
+    from jaxserve.model_loader import load_model
+    from jaxserve.models.loader import weights
+
+    bars = []
+
+    class Recording(weights.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.hidden = kwargs["disable"]  # close() sets .disable itself
+            bars.append(self)
+
+    monkeypatch.setattr(weights, "tqdm", Recording)
+    for progress in (False, True):
+        model, _ = load_model(
+            str(tiny_dir), loader, dtype=jnp.bfloat16, attention_fn=paged_attention, progress=progress
+        )
+        assert bars[-1].hidden == (not progress)
+    total = weights.param_bytes(model)
+    assert total == sum(x.size * 2 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # bfloat16
+    assert bars[-1].total == bars[-1].n == total
