@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, serve, bench. Engine flags use vLLM's names (dashes or underscores)."""
+"""The `jaxserve` command: generate, serve, convert, bench. Engine flags use vLLM's names (dashes or underscores)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import typing
 from jaxserve.config import EngineArgs
 
 _HELP = {
-    "model": "HF model directory, .gguf file, or omit for the embedded default (SmolLM2-135M-Instruct)",
+    "model": "HF model directory, .gguf file, `jaxserve convert` directory, or omit for the embedded default "
+    "(SmolLM2-135M-Instruct)",
     "dtype": "auto (bfloat16 on GPU/TPU, float32 on CPU), float32, bfloat16, float16",
     "fp32_matmul_precision": "how float32 models multiply: highest (true float32, as PyTorch/HF) or tf32 (TF32 "
     "tensor cores on NVIDIA GPUs: faster, ~1e-3 relative error); bf16/fp16 models ignore it",
@@ -25,7 +26,8 @@ _HELP = {
     "async_scheduling": "dispatch each model step before reading the previous step's tokens back, so host work "
     "overlaps the device (--no-async-scheduling: one step at a time, for debugging and comparison)",
     "attention_backend": "auto (pallas on GPU/TPU, xla elsewhere), reference (plain jnp ground truth), xla (jnp that gathers little; fast on CPU) or pallas",
-    "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
+    "load_format": "auto, safetensors, gguf, orbax (a `jaxserve convert` directory) or dummy (random weights from "
+    "the config)",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
     "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",
     "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
@@ -98,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed-sampling", dest="seed_sampling", type=int, default=None, help="sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    from jaxserve import convert
+
+    convert.add_parser(sub)
 
     try:
         from jaxserve.server.cli_args import add_serve_parser

@@ -1,4 +1,5 @@
-"""Finding and loading a model: an HF directory, a GGUF file, dummy weights, or the embedded default."""
+"""Finding and loading a model: an HF directory, a GGUF file, a `jaxserve convert` (orbax) directory,
+dummy weights, or the embedded default."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ logger = logging.getLogger("jaxserve")
 
 
 def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str]:
-    """Returns (path, format) where format is "safetensors" | "gguf" | "dummy"."""
+    """Returns (path, format) where format is "safetensors" | "gguf" | "orbax" | "dummy"."""
+    from jaxserve.models.loader.orbax_format import METADATA_FILE, is_orbax_checkpoint
+
+    if load_format == "orbax" and (model is None or not is_orbax_checkpoint(os.path.expanduser(model))):
+        what = "no model" if model is None else f"model={model!r}"
+        raise ValueError(
+            f"load_format='orbax' but {what} is not a directory written by `jaxserve convert` (no {METADATA_FILE}); "
+            f"write one with `jaxserve convert {model or '(no MODEL: the default)'} OUT_DIR`, or use load_format='auto'"
+        )
     if model is None:
         from jaxserve.models.loader.default_model import default_model_path
 
@@ -23,6 +32,13 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
             raise ValueError(f"model={model!r} is a file but not a .gguf file; pass a GGUF file or an HF model directory")
         return path, "dummy" if load_format == "dummy" else "gguf"
     if os.path.isdir(path):
+        if is_orbax_checkpoint(path):
+            if load_format in ("safetensors", "gguf"):
+                raise ValueError(
+                    f"load_format={load_format!r} but {path} is a jaxserve checkpoint written by `jaxserve convert` "
+                    "(orbax weights); use load_format='auto' or 'orbax'"
+                )
+            return path, "dummy" if load_format == "dummy" else "orbax"
         if os.path.exists(os.path.join(path, "config.json")):
             if load_format == "gguf":
                 raise ValueError(f"load_format='gguf' but {path} is a Hugging Face directory (config.json)")
@@ -35,8 +51,8 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
         raise ValueError(f"{path} has neither config.json (a Hugging Face model) nor a .gguf file")
     raise ValueError(
         f"model={model!r} was not found on disk. jaxserve loads local models only (no hub downloads): pass a "
-        "Hugging Face model directory (config.json + *.safetensors + tokenizer), a .gguf file, or nothing for "
-        "the embedded default model"
+        "Hugging Face model directory (config.json + *.safetensors + tokenizer), a .gguf file, a directory written "
+        "by `jaxserve convert`, or nothing for the embedded default model"
     )
 
 
@@ -63,6 +79,11 @@ def load_model(
         cfg = TextModelConfig.from_hf_config(ckpt.hf_config)
         model = load_from_hf_tensors(cfg, ckpt.tensors(), **kw)
         return model, cfg
+    if fmt == "orbax":
+        from jaxserve.models.loader.orbax_weights import load_orbax_model
+
+        cfg = read_text_config(path)  # checks the metadata file first
+        return load_orbax_model(path, cfg, **kw), cfg
     if fmt == "dummy":
         from jaxserve.models.loader.dummy import load_dummy_model
 
@@ -73,7 +94,8 @@ def load_model(
 
 
 def read_text_config(path: str):
-    """The TextModelConfig of an HF directory (generation_config's stop ids merged) or a GGUF file."""
+    """The TextModelConfig of an HF or `jaxserve convert` directory (generation_config's stop ids merged) or a
+    GGUF file."""
     from jaxserve.models.config import TextModelConfig
 
     if path.endswith(".gguf"):
@@ -81,6 +103,10 @@ def read_text_config(path: str):
 
         return TextModelConfig.from_hf_config(read_gguf(path).hf_config)
     from jaxserve.models.loader.hf import read_hf_config
+    from jaxserve.models.loader.orbax_format import is_orbax_checkpoint, read_metadata
+
+    if is_orbax_checkpoint(path):
+        read_metadata(path)  # a half-written or newer-format checkpoint fails here, before its config is trusted
 
     return read_hf_config(path)
 
