@@ -80,9 +80,11 @@ def load_model(
         model = load_from_hf_tensors(cfg, ckpt.tensors(), **kw)
         return model, cfg
     if fmt == "orbax":
+        from jaxserve.models.loader.orbax_format import read_metadata
         from jaxserve.models.loader.orbax_weights import load_orbax_model
 
-        cfg = read_text_config(path)  # checks the metadata file first
+        read_metadata(path)  # a missing or half-written checkpoint fails here, naming the fix
+        cfg = read_text_config(path)
         return load_orbax_model(path, cfg, **kw), cfg
     if fmt == "dummy":
         from jaxserve.models.loader.dummy import load_dummy_model
