@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxserve import convert
 
-    convert.add_parser(sub)
+    # kept so that parse_args can read `convert`'s two positionals around its options
+    parser.convert_parser = convert.add_parser(sub)
 
     try:
         from jaxserve.server.cli_args import add_serve_parser
@@ -127,9 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args``, except that `convert MODEL --dtype bfloat16 OUT_DIR` (options between the two
+    positionals) works: argparse alone would take MODEL as OUT_DIR and reject the rest."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["convert"]:
+        ns = parser.convert_parser.parse_intermixed_args(argv[1:])
+        ns.command = "convert"
+        return ns
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args(parser, argv)
     try:
         return ns.func(ns) or 0
     except (ValueError, FileNotFoundError) as e:
