@@ -60,11 +60,11 @@ def save_weights(model: nnx.Module, out_dir: str) -> dict[str, dict]:
     flat = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
     # Weights barely compress (zstd saves a few percent on bf16) but decompressing costs CPU time at every
     # start; older orbax versions without the option write zarr2 with zstd, which still restores.
-    try:
-        checkpointer = ocp.PyTreeCheckpointer(use_compression=False)
-    except TypeError:
-        checkpointer = ocp.PyTreeCheckpointer()
     with _quiet_orbax():
+        try:
+            checkpointer = ocp.PyTreeCheckpointer(use_compression=False)
+        except TypeError:
+            checkpointer = ocp.PyTreeCheckpointer()
         checkpointer.save(os.path.join(os.path.abspath(out_dir), WEIGHTS_DIR), _nested(flat))
     return {param_name(p): {"shape": list(a.shape), "dtype": str(a.dtype)} for p, a in flat.items()}
 

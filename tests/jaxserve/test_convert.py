@@ -5,6 +5,7 @@ the dummy source), and the CLI and `serve` take it."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -98,3 +99,14 @@ def test_convert_error_is_a_cli_error(capsys):
     assert main(["convert", os.path.join(_ROOT, "missing-model"), os.path.join(_ROOT, "never")]) == 2
     assert "was not found on disk" in capsys.readouterr().err
     assert not os.path.exists(os.path.join(_ROOT, "never"))
+
+
+def test_bench_load_times_source_and_converted(tmp_path):
+    out_json = tmp_path / "load.json"
+    argv = ["bench", "load", "--model", checkpoint("llama_gqa"), "--convert-to", str(tmp_path / "ckpt"),
+            "--repeats", "1", "--cold", "--dtype", "float32", "--output-json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out_json.read_text())
+    assert [row["format"] for row in result["loads"]] == ["safetensors", "orbax"]
+    for row in result["loads"]:
+        assert row["gb"] > 0 and len(row["load_s"]) == 1 and row["disk_cold_gb_per_s"] > 0
