@@ -23,7 +23,9 @@ import time
 
 
 def add_parser(bench_sub, add_engine_args) -> None:
-    p = bench_sub.add_parser("load", help="load time (the engine's load_s) per format, with GB/s and the disk's read rate")
+    p = bench_sub.add_parser(
+        "load", help="load time (the engine's load_s) per format, with GB/s and the disk's read rate"
+    )
     p.add_argument("--convert-to", "--convert_to", dest="convert_to", default=None,
                    help="also convert MODEL into this directory (once) and time loading it")
     p.add_argument("--repeats", type=int, default=3, help="loads of each checkpoint in this process")

@@ -97,9 +97,10 @@ def read_metadata(path: str) -> dict:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path!r} is not readable JSON ({e}); {RECONVERT.format(path=path)}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found != FORMAT_NAME:
         raise CheckpointError(
-            f"{meta_path!r} does not describe a {FORMAT_NAME} checkpoint (format={meta.get('format') if isinstance(meta, dict) else None!r}); "
+            f"{meta_path!r} does not describe a {FORMAT_NAME} checkpoint (format={found!r}); "
             f"{RECONVERT.format(path=path)}"
         )
     version = meta.get("format_version")
@@ -155,9 +156,10 @@ def check_files(path: str, meta: dict) -> None:
         elif os.path.getsize(full) != size:
             resized.append(f"{rel} ({os.path.getsize(full)} bytes, written as {size})")
     if missing or resized:
-        what = "; ".join(
-            part for part in (missing and f"missing files {_clip(missing)}", resized and f"changed sizes {_clip(resized)}") if part
+        parts = ([f"missing files {_clip(missing)}"] if missing else []) + (
+            [f"changed sizes {_clip(resized)}"] if resized else []
         )
+        what = "; ".join(parts)
         raise CheckpointError(
             f"the weights in {path!r} are incomplete or corrupt: {what}; {RECONVERT.format(path=path)}"
         )

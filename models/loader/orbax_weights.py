@@ -106,9 +106,10 @@ def load_orbax_model(
     t0 = time.perf_counter()
     try:
         with _quiet_orbax():
+            restore_args = ocp.checkpoint_utils.construct_restore_args(target)  # shardings and dtypes per leaf
             restored = ocp.PyTreeCheckpointer().restore(
                 os.path.join(os.path.abspath(path), WEIGHTS_DIR),
-                args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
+                args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
             )
     except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise ValueError, FileNotFoundError, ...
         raise CheckpointError(

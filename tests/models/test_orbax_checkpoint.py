@@ -145,7 +145,8 @@ def _edit_json(path: str, **changes) -> None:
 
 def test_missing_directory(tmp_path):
     missing = str(tmp_path / "nope")
-    with pytest.raises(ValueError, match=r"load_format='orbax' but model=.*nope.* is not a directory written by `jaxserve convert`"):
+    want = r"load_format='orbax' but model=.*nope.* is not a directory written by `jaxserve convert`"
+    with pytest.raises(ValueError, match=want):
         resolve_model_path(missing, "orbax")
     with pytest.raises(ValueError, match=r"was not found on disk.*`jaxserve convert`"):
         resolve_model_path(missing, "auto")
@@ -156,7 +157,8 @@ def test_missing_directory(tmp_path):
 def test_unfinished_conversion(copy):
     os.remove(os.path.join(copy, METADATA_FILE))
     assert resolve_model_path(copy, "auto") == (copy, "orbax")  # the weights folder still says what it is
-    with pytest.raises(CheckpointError, match=rf"has no {METADATA_FILE}, so it is not a complete jaxserve checkpoint.*re-run `jaxserve convert"):
+    want = rf"has no {METADATA_FILE}, so it is not a complete jaxserve checkpoint.*re-run `jaxserve convert"
+    with pytest.raises(CheckpointError, match=want):
         _load(copy)
 
 
@@ -170,7 +172,8 @@ def test_deleted_array_file(copy):
     victim = max(glob.glob(os.path.join(copy, "weights", "**", "d", "*"), recursive=True), key=os.path.getsize)
     os.remove(victim)
     rel = os.path.relpath(victim, copy)
-    with pytest.raises(CheckpointError, match=rf"incomplete or corrupt: missing files \[{rel}\].*re-run `jaxserve convert"):
+    want = rf"incomplete or corrupt: missing files \[{rel}\].*re-run `jaxserve convert"
+    with pytest.raises(CheckpointError, match=want):
         _load(copy)
 
 
@@ -188,7 +191,8 @@ def test_overwritten_array_file_is_a_read_error(copy):
         size = os.path.getsize(victim)
         with open(victim, "wb") as f:
             f.write(b"\0" * size)
-    with pytest.raises(CheckpointError, match=r"could not read the weights in .*weights.*damaged or incomplete.*re-run"):
+    want = r"could not read the weights in .*weights.*damaged or incomplete.*re-run"
+    with pytest.raises(CheckpointError, match=want):
         _load(copy)
 
 
@@ -197,7 +201,8 @@ def test_overwritten_array_file_is_a_read_error(copy):
     [
         (dict(num_hidden_layers=3), r"parameters the config needs but the weights lack: \[model\.layers\.2\."),
         (dict(num_hidden_layers=1), r"saved parameters the config has no place for: \[model\.layers\.1\."),
-        (dict(intermediate_size=96), r"shape mismatches: \[model\.layers\.0\.mlp\.down_proj\.kernel: config gives \(96, 64\), weights have \(128, 64\)"),
+        (dict(intermediate_size=96),
+         r"shape mismatches: \[model\.layers\.0\.mlp\.down_proj\.kernel: config gives \(96, 64\), weights have \(128, 64\)"),
     ],
 )
 def test_edited_config(copy, change, match):
@@ -208,7 +213,8 @@ def test_edited_config(copy, change, match):
 
 def test_newer_format_version(copy):
     _edit_json(os.path.join(copy, METADATA_FILE), format_version=FORMAT_VERSION + 1, jaxserve_version="9.9")
-    with pytest.raises(CheckpointError, match=rf"format version {FORMAT_VERSION + 1} \(by jaxserve 9\.9\).*reads versions up to {FORMAT_VERSION}: upgrade"):
+    want = rf"format version {FORMAT_VERSION + 1} \(by jaxserve 9\.9\).*reads versions up to {FORMAT_VERSION}: upgrade"
+    with pytest.raises(CheckpointError, match=want):
         read_text_config(copy)  # before the config is trusted (the TP check reads it before loading)
 
 
@@ -223,3 +229,14 @@ def test_wrong_load_format(root, copy):
 def test_out_dir_must_be_new(root, copy):
     with pytest.raises(ValueError, match=r"OUT_DIR .* already exists and is not empty"):
         convert(_source("hf", root)[0], copy)
+
+
+def test_reconvert_to_another_dtype(root, tmp_path):
+    """A converted directory is itself a source: converting it again changes the stored dtype."""
+    out = str(tmp_path / "bf16")
+    convert(_converted("hf", root), out, dtype="bfloat16")
+    assert json.load(open(os.path.join(out, METADATA_FILE)))["source"]["format"] == "orbax"
+    want, _ = _weights(*_source("hf", root), dtype=jnp.bfloat16)
+    got, _ = _weights(out, dtype=jnp.bfloat16)
+    for name, array in want.items():
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(array), err_msg=name)
