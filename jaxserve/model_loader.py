@@ -16,10 +16,17 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
     from jaxserve.models.loader.orbax_format import METADATA_FILE, is_orbax_checkpoint
 
     if load_format == "orbax" and (model is None or not is_orbax_checkpoint(os.path.expanduser(model))):
-        what = "no model" if model is None else f"model={model!r}"
+        if model is None:
+            raise ValueError(
+                "load_format='orbax' needs model= a directory written by `jaxserve convert` (`jaxserve convert "
+                "OUT_DIR` converts the default model), or use load_format='auto'"
+            )
+        state = "does not exist" if not os.path.exists(os.path.expanduser(model)) else (
+            f"is not a directory written by `jaxserve convert` (no {METADATA_FILE})"
+        )
         raise ValueError(
-            f"load_format='orbax' but {what} is not a directory written by `jaxserve convert` (no {METADATA_FILE}); "
-            f"write one with `jaxserve convert {model or '(no MODEL: the default)'} OUT_DIR`, or use load_format='auto'"
+            f"load_format='orbax' but model={model!r} {state}; write it with `jaxserve convert SOURCE {model}` "
+            "(SOURCE: an HF directory, a .gguf file, or nothing for the default model), or use load_format='auto'"
         )
     if model is None:
         from jaxserve.models.loader.default_model import default_model_path

@@ -145,7 +145,7 @@ def _edit_json(path: str, **changes) -> None:
 
 def test_missing_directory(tmp_path):
     missing = str(tmp_path / "nope")
-    want = r"load_format='orbax' but model=.*nope.* is not a directory written by `jaxserve convert`"
+    want = r"load_format='orbax' but model=.*nope.* does not exist; write it with `jaxserve convert SOURCE .*nope"
     with pytest.raises(ValueError, match=want):
         resolve_model_path(missing, "orbax")
     with pytest.raises(ValueError, match=r"was not found on disk.*`jaxserve convert`"):
@@ -224,6 +224,8 @@ def test_wrong_load_format(root, copy):
     hf = _source("hf", root)[0]
     with pytest.raises(ValueError, match=r"load_format='orbax' but model=.* is not a directory written by"):
         resolve_model_path(hf, "orbax")
+    with pytest.raises(ValueError, match=r"load_format='orbax' needs model= a directory written by `jaxserve convert`"):
+        resolve_model_path(None, "orbax")
 
 
 def test_out_dir_must_be_new(root, copy):
