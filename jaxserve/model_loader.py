@@ -129,12 +129,34 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None):
         from jaxserve.models.loader.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(path)
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return _tokenizer_class(path).from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise ValueError(
             f"could not load a tokenizer from {path}: {e}. Add tokenizer files to the model directory, pass "
             "tokenizer=..., or run with skip_tokenizer_init=True and token-id prompts"
         ) from e
+
+
+# tokenizer_config.json's names for transformers' generic fast tokenizer (4.x and 5.x spellings)
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(path: str):
+    """The class AutoTokenizer would pick, imported directly when tokenizer_config.json names the generic fast
+    tokenizer (Llama 3, SmolLM2, every `jaxserve convert` of a GGUF): AutoTokenizer's own import costs ~2 s
+    of start-up on a 2-core CPU. Anything else goes through AutoTokenizer."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if name in _GENERIC_FAST and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
