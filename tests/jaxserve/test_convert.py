@@ -14,7 +14,6 @@ import jax
 import numpy as np
 import pytest
 from engine_fixtures import checkpoint, small_engine_kwargs
-from tiny_gguf import write_gguf_from_hf
 from tiny_models import hf_greedy
 
 from jaxserve import LLM, SamplingParams
@@ -57,6 +56,8 @@ def test_hf_converted_at_tp1_serves_at_tp2_as_transformers():
 def test_gguf_converted_serves_the_same_tokens():
     """The tiny GGUF holds the HF checkpoint's float32 tensors, so transformers on that checkpoint is the
     reference (the GGUF itself gives the same weights bit for bit: tests/models/test_orbax_checkpoint.py)."""
+    from tiny_gguf import write_gguf_from_hf  # here: the GPU image may lack the gguf package
+
     src = checkpoint("llama_gqa")
     gguf_path = write_gguf_from_hf(src, os.path.join(_ROOT, "tiny.gguf"))
     out = _convert_cli(str(gguf_path))

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from engine_fixtures import checkpoint
 from flax import nnx
-from tiny_gguf import write_gguf_from_hf
 
 from jaxserve import sharding
 from jaxserve.convert import convert
@@ -37,6 +36,8 @@ def _source(kind: str, root: str) -> tuple[str, str]:
     if kind == "hf":
         return checkpoint("llama_gqa"), "auto"
     if kind == "gguf":
+        from tiny_gguf import write_gguf_from_hf  # here: the GPU image may lack the gguf package
+
         return str(write_gguf_from_hf(checkpoint("llama_gqa"), os.path.join(root, "tiny.gguf"))), "auto"
     config_dir = os.path.join(root, "config_only")  # what a benchmark's dummy run starts from
     os.makedirs(config_dir, exist_ok=True)
