@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, serve, bench. Engine flags use vLLM's names (dashes or underscores)."""
+"""The `jaxserve` command: generate, serve, convert, bench. Engine flags use vLLM's names (dashes or underscores)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import typing
 from jaxserve.config import EngineArgs
 
 _HELP = {
-    "model": "HF model directory, .gguf file, or omit for the embedded default (SmolLM2-135M-Instruct)",
+    "model": "HF model directory, .gguf file, `jaxserve convert` directory, or omit for the embedded default "
+    "(SmolLM2-135M-Instruct)",
     "dtype": "auto (bfloat16 on GPU/TPU, float32 on CPU), float32, bfloat16, float16",
     "fp32_matmul_precision": "how float32 models multiply: highest (true float32, as PyTorch/HF) or tf32 (TF32 "
     "tensor cores on NVIDIA GPUs: faster, ~1e-3 relative error); bf16/fp16 models ignore it",
@@ -27,7 +28,8 @@ _HELP = {
     "precompile": "step shapes compiled at start-up, the rest on first use: all, common (every token bucket at the "
     "shortest context width) or none; auto: all on GPU/TPU, common on CPU",
     "attention_backend": "auto (pallas on GPU/TPU, xla elsewhere), reference (plain jnp ground truth), xla (jnp that gathers little; fast on CPU) or pallas",
-    "load_format": "auto, safetensors, gguf or dummy (random weights from the config)",
+    "load_format": "auto, safetensors, gguf, orbax (a `jaxserve convert` directory) or dummy (random weights from "
+    "the config)",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
     "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",
     "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
@@ -101,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
+    from jaxserve import convert
+
+    # kept so that parse_args can read `convert`'s two positionals around its options
+    parser.convert_parser = convert.add_parser(sub)
+
     try:
         from jaxserve.server.cli_args import add_serve_parser
     except ImportError:
@@ -108,11 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.bench import ablation, latency, suite, sweep, throughput
+    from jaxserve.bench import ablation, latency, load, suite, sweep, throughput
 
-    for bench_module in (throughput, latency, ablation, sweep, suite):
+    for bench_module in (throughput, latency, ablation, sweep, suite, load):
         bench_module.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve
@@ -123,9 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args``, except that `convert MODEL --dtype bfloat16 OUT_DIR` (options between the two
+    positionals) works: argparse alone would take MODEL as OUT_DIR and reject the rest."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["convert"]:
+        ns = parser.convert_parser.parse_intermixed_args(argv[1:])
+        ns.command = "convert"
+        return ns
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args(parser, argv)
     try:
         return ns.func(ns) or 0
     except (ValueError, FileNotFoundError) as e:

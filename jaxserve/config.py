@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",)
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
 # How float32 matmuls run (jaxserve.pallas_kernels.precision, which this mirrors without importing JAX):
 # "highest" is true float32, as PyTorch computes by default; "tf32" lets NVIDIA GPUs round inputs to TF32.
 FP32_MATMUL_PRECISIONS = ("highest", "tf32")
@@ -24,7 +24,7 @@ PRECOMPILE = ("auto", "all", "common", "none")
 class EngineArgs:
     """Every engine option, with vLLM's names. ``None`` means "pick a good default for this machine"."""
 
-    model: Optional[str] = None  # HF directory, .gguf file or directory holding one; None: the embedded default
+    model: Optional[str] = None  # HF dir, .gguf file (or dir of one), `jaxserve convert` dir; None: the default
     tokenizer: Optional[str] = None  # defaults to the model's own
     served_model_name: Optional[str] = None
     dtype: str = "auto"  # auto: bfloat16 on GPU/TPU, float32 on CPU
@@ -48,7 +48,7 @@ class EngineArgs:
     # costs seconds).
     precompile: str = "auto"
     attention_backend: str = "auto"  # auto | reference | xla | pallas
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    load_format: str = "auto"  # auto | safetensors | gguf | orbax (a `jaxserve convert` directory) | dummy
     skip_tokenizer_init: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -120,7 +120,7 @@ class ModelConfig:
     """What model runs, in which dtype, over how long a context."""
 
     model: str  # resolved path
-    model_format: str  # "safetensors" | "gguf" | "dummy"
+    model_format: str  # "safetensors" | "gguf" | "orbax" | "dummy"
     served_model_name: str
     dtype: str  # "float32" | "bfloat16" | "float16" (resolved)
     max_model_len: int

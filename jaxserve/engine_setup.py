@@ -56,6 +56,11 @@ def current_platform() -> str:
     return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
+def serving_dtype(dtype: str, platform: str) -> str:
+    """The dtype the engine serves in: ``auto`` is float32 on CPU (no fast bf16 matmuls), bfloat16 elsewhere."""
+    return dtype if dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+
+
 def build_engine_components(
     args: EngineArgs, progress: bool = True, mesh: Any = None, before_warmup: Optional[Callable[[], None]] = None
 ) -> EngineComponents:
@@ -78,7 +83,7 @@ def build_engine_components(
     platform = current_platform()
     cache_dir = enable_compilation_cache(args.compilation_cache_dir)
     path, fmt = resolve_model_path(args.model, args.load_format)
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    dtype = serving_dtype(args.dtype, platform)
     backend = resolve_backend(args.attention_backend, platform)
     attention_fn = get_attention_fn(backend, platform)
     tp = args.tensor_parallel_size
@@ -163,13 +168,16 @@ def _tokenizer_or_none(path: str, fmt: str, tokenizer: Optional[str]):
     """The model's tokenizer. A dummy-weight run from a config-only directory (benchmarks) may have none:
     it then serves token-id prompts only, as with skip_tokenizer_init."""
     from jaxserve.model_loader import load_tokenizer
+    from jaxserve.models.loader.orbax_format import has_tokenizer
 
     try:
         return load_tokenizer(path, tokenizer)
     except ValueError:
-        if fmt != "dummy" or tokenizer is not None:
+        # a checkpoint converted from such a config-only directory has none either, and says so
+        tokenizer_free = fmt == "dummy" or (fmt == "orbax" and not has_tokenizer(path))
+        if not tokenizer_free or tokenizer is not None:
             raise
-        logger.warning("no tokenizer found beside %s: dummy weights will take token-id prompts only", path)
+        logger.warning("no tokenizer found beside %s: this model will take token-id prompts only", path)
         return None
 
 

@@ -1,4 +1,5 @@
-"""Finding and loading a model: an HF directory, a GGUF file, dummy weights, or the embedded default."""
+"""Finding and loading a model: an HF directory, a GGUF file, a `jaxserve convert` (orbax) directory,
+dummy weights, or the embedded default."""
 
 from __future__ import annotations
 
@@ -11,7 +12,22 @@ logger = logging.getLogger("jaxserve")
 
 
 def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str]:
-    """Returns (path, format) where format is "safetensors" | "gguf" | "dummy"."""
+    """Returns (path, format) where format is "safetensors" | "gguf" | "orbax" | "dummy"."""
+    from jaxserve.models.loader.orbax_format import METADATA_FILE, is_orbax_checkpoint
+
+    if load_format == "orbax" and (model is None or not is_orbax_checkpoint(os.path.expanduser(model))):
+        if model is None:
+            raise ValueError(
+                "load_format='orbax' needs model= a directory written by `jaxserve convert` (`jaxserve convert "
+                "OUT_DIR` converts the default model), or use load_format='auto'"
+            )
+        state = "does not exist" if not os.path.exists(os.path.expanduser(model)) else (
+            f"is not a directory written by `jaxserve convert` (no {METADATA_FILE})"
+        )
+        raise ValueError(
+            f"load_format='orbax' but model={model!r} {state}; write it with `jaxserve convert SOURCE {model}` "
+            "(SOURCE: an HF directory, a .gguf file, or nothing for the default model), or use load_format='auto'"
+        )
     if model is None:
         from jaxserve.models.loader.default_model import default_model_path
 
@@ -23,6 +39,13 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
             raise ValueError(f"model={model!r} is a file but not a .gguf file; pass a GGUF file or an HF model directory")
         return path, "dummy" if load_format == "dummy" else "gguf"
     if os.path.isdir(path):
+        if is_orbax_checkpoint(path):
+            if load_format in ("safetensors", "gguf"):
+                raise ValueError(
+                    f"load_format={load_format!r} but {path} is a jaxserve checkpoint written by `jaxserve convert` "
+                    "(orbax weights); use load_format='auto' or 'orbax'"
+                )
+            return path, "dummy" if load_format == "dummy" else "orbax"
         if os.path.exists(os.path.join(path, "config.json")):
             if load_format == "gguf":
                 raise ValueError(f"load_format='gguf' but {path} is a Hugging Face directory (config.json)")
@@ -35,8 +58,8 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
         raise ValueError(f"{path} has neither config.json (a Hugging Face model) nor a .gguf file")
     raise ValueError(
         f"model={model!r} was not found on disk. jaxserve loads local models only (no hub downloads): pass a "
-        "Hugging Face model directory (config.json + *.safetensors + tokenizer), a .gguf file, or nothing for "
-        "the embedded default model"
+        "Hugging Face model directory (config.json + *.safetensors + tokenizer), a .gguf file, a directory written "
+        "by `jaxserve convert`, or nothing for the embedded default model"
     )
 
 
@@ -66,6 +89,13 @@ def load_model(
         cfg = TextModelConfig.from_hf_config(ckpt.hf_config)
         model = load_from_hf_tensors(cfg, ckpt.packed_tensors(), **kw)
         return model, cfg
+    if fmt == "orbax":
+        from jaxserve.models.loader.orbax_format import read_metadata
+        from jaxserve.models.loader.orbax_weights import load_orbax_model
+
+        read_metadata(path)  # a missing or half-written checkpoint fails here, naming the fix
+        cfg = read_text_config(path)
+        return load_orbax_model(path, cfg, **kw), cfg
     if fmt == "dummy":
         from jaxserve.models.loader.dummy import load_dummy_model
 
@@ -76,7 +106,8 @@ def load_model(
 
 
 def read_text_config(path: str):
-    """The TextModelConfig of an HF directory (generation_config's stop ids merged) or a GGUF file."""
+    """The TextModelConfig of an HF or `jaxserve convert` directory (generation_config's stop ids merged) or a
+    GGUF file."""
     from jaxserve.models.config import TextModelConfig
 
     if path.endswith(".gguf"):
@@ -84,6 +115,10 @@ def read_text_config(path: str):
 
         return TextModelConfig.from_hf_config(read_gguf(path).hf_config)
     from jaxserve.models.loader.hf import read_hf_config
+    from jaxserve.models.loader.orbax_format import is_orbax_checkpoint, read_metadata
+
+    if is_orbax_checkpoint(path):
+        read_metadata(path)  # a half-written or newer-format checkpoint fails here, before its config is trusted
 
     return read_hf_config(path)
 
@@ -108,12 +143,34 @@ def load_tokenizer(path: str, tokenizer: Optional[str] = None):
             f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); add them, pass tokenizer=..., or run "
             "with skip_tokenizer_init=True and token-id prompts"
         )
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return _tokenizer_class(path).from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise ValueError(
             f"could not load a tokenizer from {path}: {e}. Add tokenizer files to the model directory, pass "
             "tokenizer=..., or run with skip_tokenizer_init=True and token-id prompts"
         ) from e
+
+
+# tokenizer_config.json's names for transformers' generic fast tokenizer (4.x and 5.x spellings)
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(path: str):
+    """The class AutoTokenizer would pick, imported directly when tokenizer_config.json names the generic fast
+    tokenizer (Llama 3, SmolLM2, every `jaxserve convert` of a GGUF): AutoTokenizer's own import costs ~2 s
+    of start-up on a 2-core CPU. Anything else goes through AutoTokenizer."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if name in _GENERIC_FAST and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
