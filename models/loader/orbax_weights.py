@@ -77,6 +77,7 @@ def load_orbax_model(
     attention_fn: AttentionFn,
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
     fp32_matmul_precision: str = "highest",
+    progress: bool = True,  # noqa: ARG001 - orbax restores all arrays in one call: nothing to count
 ) -> nnx.Module:
     """The model of a converted directory, restored straight into ``shardings_fn(abstract_model)``.
 
