@@ -44,7 +44,11 @@ def _param(rngs: nnx.Rngs | None, shape, param_dtype, axes: tuple[str | None, ..
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). ``kernel`` is [in, out]: Hugging Face's [out, in] weight transposed.
+    """y = x @ kernel (+ bias). ``kernel`` is [in, *out]: Hugging Face's [out, in] weight transposed, with
+    the output optionally split into several axes (``out_features`` a tuple), as the fused projections
+    need: qkv [D, K, G+2, Dh] keeps each KV head's query heads, key and value together, so sharding K
+    over devices gives each device whole groups; gate-up [D, 2, F] keeps gate and up columns side by side
+    when F is sharded. One matmul either way (XLA flattens the output axes).
 
     ``precision`` of the product: None picks it from ``dtype`` (``matmul_precision``: float32 is exact on a
     GPU too, not TF32). Static, like ``dtype``: part of the graphdef.
@@ -53,9 +57,9 @@ class Linear(nnx.Module):
     def __init__(
         self,
         in_features: int,
-        out_features: int,
+        out_features: int | tuple[int, ...],
         *,
-        axes: tuple[str, str],
+        axes: tuple[str | None, ...],
         use_bias: bool = False,
         dtype,
         param_dtype,
@@ -64,11 +68,13 @@ class Linear(nnx.Module):
     ):
         self.dtype = dtype
         self.precision = precision if precision is not None else matmul_precision(dtype)
-        self.kernel = _param(rngs, (in_features, out_features), param_dtype, axes, "normal")
-        self.bias = _param(rngs, (out_features,), param_dtype, axes[1:], "zeros") if use_bias else None
+        out = tuple(out_features) if isinstance(out_features, (tuple, list)) else (out_features,)
+        self.kernel = _param(rngs, (in_features, *out), param_dtype, axes, "normal")
+        self.bias = _param(rngs, out, param_dtype, axes[1:], "zeros") if use_bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # x [T, in] -> [T, out]
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), precision=self.precision)  # [T, out]
+    def __call__(self, x: jax.Array) -> jax.Array:  # x [T, in] -> [T, *out]
+        kernel = self.kernel[...].astype(self.dtype)
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -112,17 +118,18 @@ class RMSNorm(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)): the SwiGLU feed-forward of Llama-family models."""
+    """down(silu(gate(x)) * up(x)): the SwiGLU feed-forward of Llama-family models, with gate and up as one
+    matmul (``gate_up_proj`` [D, 2, F]; the loader builds it from the checkpoint's gate_proj and up_proj)."""
 
     def __init__(self, cfg: TextModelConfig, *, dtype, param_dtype, precision=None, rngs: nnx.Rngs):
         kw = dict(use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(d, f, axes=("embed", "mlp"), **kw)
-        self.up_proj = Linear(d, f, axes=("embed", "mlp"), **kw)
+        self.gate_up_proj = Linear(d, (2, f), axes=("embed", None, "mlp"), **kw)
         self.down_proj = Linear(f, d, axes=("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x [T, D] -> [T, D]
-        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, F]
+        gate_up = self.gate_up_proj(x)  # [T, 2, F]
+        h = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, F]
         return self.down_proj(h)
 
 

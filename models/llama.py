@@ -4,8 +4,10 @@ They share one block (pre-norm attention with RoPE, then a gated MLP); the diffe
 switches: q/k/v bias (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), a sliding window (Mistral,
 Qwen2/3 when enabled), tied embeddings (SmolLM2, small Qwens) and the RoPE scaling type (Llama 3.1+).
 
-Module attribute names follow the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``), so
-the weight loader maps names mechanically (see jaxserve.models.loader.weights).
+Module attribute names follow the Hugging Face checkpoints (``model.layers.0.self_attn.o_proj``), so
+the weight loader maps names mechanically (see jaxserve.models.loader.weights); the two fused
+projections, ``qkv_proj`` and ``mlp.gate_up_proj``, are assembled from the checkpoint's pieces by a small
+table there. Fewer, larger matmuls: a decode step reads the same bytes in fewer kernels.
 
 The model reads and writes the paged KV cache only through ``attention_fn`` and never owns the cache:
 caches come in as arguments and go out as results, which lets the runner donate them to the jitted step.
@@ -39,9 +41,13 @@ class LlamaAttention(nnx.Module):
         d, h, k, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         precision = precision if precision is not None else matmul_precision(dtype)
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-        self.q_proj = Linear(d, h * dh, axes=("embed", "q_heads"), use_bias=cfg.attention_bias, **kw)
-        self.k_proj = Linear(d, k * dh, axes=("embed", "kv_heads"), use_bias=cfg.attention_bias, **kw)
-        self.v_proj = Linear(d, k * dh, axes=("embed", "kv_heads"), use_bias=cfg.attention_bias, **kw)
+        if h % k:
+            raise ValueError(f"num_attention_heads={h} is not a multiple of num_key_value_heads={k}")
+        # One matmul for q, k and v: [D, K, G+2, Dh], per KV head its G query heads, then its key and value
+        # (the loader assembles it from the checkpoint's q_proj, k_proj and v_proj).
+        self.qkv_proj = Linear(
+            d, (k, h // k + 2, dh), axes=("embed", "kv_heads", None, "head_dim"), use_bias=cfg.attention_bias, **kw
+        )
         self.o_proj = Linear(h * dh, d, axes=("q_heads", "embed"), use_bias=cfg.o_proj_bias, **kw)
         if cfg.qk_norm:
             norm_kw = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype, axis_name="head_dim")
@@ -65,9 +71,9 @@ class LlamaAttention(nnx.Module):
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # ([T, D], updated cache)
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)  # [T, H, Dh]
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, Dh]
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, K, Dh]
+        qkv = self.qkv_proj(x)  # [T, K, G+2, Dh]
+        q = qkv[:, :, :-2].reshape(t, self.num_heads, self.head_dim)  # [T, H, Dh]: head h uses KV head h // G
+        k, v = qkv[:, :, -2], qkv[:, :, -1]  # [T, K, Dh] each
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

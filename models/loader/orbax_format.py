@@ -25,7 +25,8 @@ METADATA_FILE = "jaxserve_checkpoint.json"
 WEIGHTS_DIR = "weights"
 FORMAT_NAME = "jaxserve-orbax"
 # 1: nested-dict state tree under weights/, zarr2 chunks without compression (written by PyTreeCheckpointer).
-FORMAT_VERSION = 1
+# 2: q/k/v and gate/up saved fused (qkv_proj [D, K, G+2, Dh], gate_up_proj [D, 2, F]), as the model runs them.
+FORMAT_VERSION = 2
 
 RECONVERT = "re-run `jaxserve convert SOURCE {path}` to rebuild it"
 
@@ -109,6 +110,12 @@ def read_metadata(path: str) -> dict:
             f"{path!r} was written in checkpoint format version {version!r} (by jaxserve "
             f"{meta.get('jaxserve_version')}), but this jaxserve reads versions up to {FORMAT_VERSION}: upgrade "
             f"jaxserve, or {RECONVERT.format(path=path)} with this version"
+        )
+    if version < FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path!r} was written in checkpoint format version {version} (by jaxserve {meta.get('jaxserve_version')}), "
+            f"whose parameter layout this jaxserve no longer runs (it fuses q/k/v and gate/up into single matmuls); "
+            f"{RECONVERT.format(path=path)}"
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path!r} has no config.json (the model's shape); {RECONVERT.format(path=path)}")

@@ -2,7 +2,9 @@
 
 The model's attribute names mirror the checkpoint's, so a parameter's path *is* its tensor name after
 two renames: the NNX leaf (``kernel`` / ``embedding`` / ``scale``) is HF's ``weight``, and a ``kernel``
-is stored [in, out] where HF stores [out, in]. Nothing else needs a table.
+is stored [in, out] where HF stores [out, in]. The one table, ``FUSED``, names the projections the model
+runs as one matmul (qkv, gate-up): such a parameter is assembled from its checkpoint pieces, on the
+device, once the last piece has arrived.
 
 Memory: tensors are read, moved to the device, transposed and cast one at a time, so the host never
 holds more than one tensor (the tensor source is expected to be lazy, like the safetensors reader).
@@ -43,23 +45,49 @@ class DeviceDecodable(Protocol):
     def to_param(self, *, transpose: bool, dtype: Any, sharding: Any = None) -> jax.Array: ...
 
 
-def hf_name(path: tuple) -> str:
-    """('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel') -> 'model.layers.0.self_attn.q_proj.weight'."""
-    *modules, leaf = (str(p) for p in path)
+# A fused module -> its checkpoint pieces and each piece's size along the fused parameter's axis -2 (the
+# group axis: qkv [D, K, G+2, Dh] and gate-up [D, 2, F]; biases lack the leading D); None: what is left.
+FUSED: dict[str, tuple[tuple[str, int | None], ...]] = {
+    "qkv_proj": (("q_proj", None), ("k_proj", 1), ("v_proj", 1)),
+    "gate_up_proj": (("gate_proj", 1), ("up_proj", 1)),
+}
+
+
+def _hf_leaf_name(modules: list[str], leaf: str, path: tuple) -> str:
     if leaf not in _LEAF_TO_HF:
         raise ValueError(f"parameter {'.'.join(map(str, path))} has no Hugging Face naming rule (leaf {leaf!r})")
     return ".".join([*modules, _LEAF_TO_HF[leaf]])
 
 
-def hf_shape(path: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The checkpoint shape of a parameter: kernels are transposed, everything else is as stored."""
-    return tuple(reversed(shape)) if str(path[-1]) == "kernel" else tuple(shape)
+def hf_pieces(path: tuple, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors (name, HF shape) a parameter is made of, in assembly order: one for a plain
+    parameter (a kernel's HF shape is its transpose), several for a fused one.
+
+    ('model', 'layers', 0, 'self_attn', 'o_proj', 'kernel') -> [('model.layers.0.self_attn.o_proj.weight', ...)]
+    """
+    *modules, leaf = (str(p) for p in path)
+    is_kernel = leaf == "kernel"
+    if modules and modules[-1] in FUSED:
+        pieces, total = FUSED[modules[-1]], shape[-2]
+        rest = total - sum(size for _, size in pieces if size is not None)
+        out = []
+        for name, size in pieces:
+            piece_shape = (*shape[:-2], rest if size is None else size, shape[-1])  # [in?, ..., size, last]
+            flat = int(np.prod(piece_shape[1:] if is_kernel else piece_shape))
+            out.append((_hf_leaf_name([*modules[:-1], name], leaf, path), (flat, shape[0]) if is_kernel else (flat,)))
+        return out
+    hf_shape = (int(np.prod(shape[1:])), shape[0]) if is_kernel else tuple(shape)
+    return [(_hf_leaf_name(modules, leaf, path), hf_shape)]
 
 
 def expected_tensors(abstract_model: nnx.Module) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> checkpoint shape, for every parameter of the model."""
+    """HF tensor name -> checkpoint shape, for every checkpoint tensor the model is built from."""
     _, state = nnx.split(abstract_model)
-    return {hf_name(path): hf_shape(path, var.get_value().shape) for path, var in nnx.to_flat_state(state)}
+    return {
+        name: shape
+        for path, var in nnx.to_flat_state(state)
+        for name, shape in hf_pieces(path, var.get_value().shape)
+    }
 
 
 def check_tensor_names(expected: Iterable[str], found: Iterable[str], *, tied_embeddings: bool) -> None:
@@ -102,42 +130,59 @@ def load_weights(
     (e.g. from ``nnx.get_named_sharding``) placing each parameter.
     """
     graphdef, abstract_state = nnx.split(abstract_model)
-    params = {hf_name(path): (path, var) for path, var in nnx.to_flat_state(abstract_state)}
+    targets = {}  # checkpoint name -> (param path, its abstract Variable, piece index, piece HF shape)
+    num_pieces = {}  # param path -> how many checkpoint tensors make it
+    for path, var in nnx.to_flat_state(abstract_state):
+        pieces = hf_pieces(path, var.get_value().shape)
+        num_pieces[path] = len(pieces)
+        for i, (name, shape) in enumerate(pieces):
+            targets[name] = (path, var, i, shape)
     if isinstance(tensors, Mapping):
-        check_tensor_names(params, tensors.keys(), tied_embeddings=tied_embeddings)
-        pairs = ((name, tensors[name]) for name in params)
+        check_tensor_names(targets, tensors.keys(), tied_embeddings=tied_embeddings)
+        pairs = ((name, tensors[name]) for name in targets)
     else:
         pairs = iter(tensors)
     flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
 
-    loaded = {}
-    bar = weights_bar([var.get_value() for _, var in params.values()], progress)
+    seen: set[str] = set()
+    pending: dict[tuple, dict[int, jax.Array]] = {}  # fused param path -> pieces read so far ([in, out] each)
+    loaded = {}  # param path -> Variable
+    bar = weights_bar([var.get_value() for _, var in nnx.to_flat_state(abstract_state)], progress)
     for name, raw in pairs:
-        if name not in params:
+        if name not in targets:
             if _ignorable(name, tied_embeddings):
                 continue
             raise ValueError(f"checkpoint does not match the model config: unexpected tensor {name!r}")
-        if name in loaded:
+        if name in seen:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-        path, var = params[name]
-        abstract = var.get_value()  # ShapeDtypeStruct
-        want = hf_shape(path, abstract.shape)
+        seen.add(name)
+        path, var, index, want = targets[name]
         if tuple(raw.shape) != want:
             raise ValueError(f"tensor {name!r} has shape {tuple(raw.shape)}, expected {want} from the model config")
+        abstract = var.get_value()  # ShapeDtypeStruct
         sharding = flat_shardings.get(path)
         if isinstance(sharding, nnx.Variable):
             sharding = sharding.get_value()
         transpose = str(path[-1]) == "kernel"
+        whole = num_pieces[path] == 1
+        place = sharding if whole else None  # a piece is placed with the whole parameter, once assembled
         if isinstance(raw, DeviceDecodable):
-            value = raw.to_param(transpose=transpose, dtype=abstract.dtype, sharding=sharding)
+            value = raw.to_param(transpose=transpose, dtype=abstract.dtype, sharding=place)
         else:
-            value = _to_param(np.asarray(raw), transpose=transpose, dtype=abstract.dtype, sharding=sharding)
-        loaded[name] = (path, var.replace(value))
+            value = _to_param(np.asarray(raw), transpose=transpose, dtype=abstract.dtype, sharding=place)
         del raw
         bar.update(value.nbytes)
+        if not whole:
+            parts = pending.setdefault(path, {})
+            parts[index] = value
+            if len(parts) < num_pieces[path]:
+                continue
+            value = _assemble(tuple(abstract.shape), sharding)(*(parts[i] for i in range(num_pieces[path])))
+            del pending[path], parts
+        loaded[path] = var.replace(value)
     bar.close()
-    check_tensor_names(params, loaded, tied_embeddings=tied_embeddings)  # anything still missing
-    return nnx.merge(graphdef, nnx.from_flat_state([loaded[name] for name in params]))
+    check_tensor_names(targets, seen, tied_embeddings=tied_embeddings)  # anything still missing
+    return nnx.merge(graphdef, nnx.from_flat_state([(path, loaded[path]) for path in num_pieces]))
 
 
 def load_from_hf_tensors(
@@ -188,6 +233,18 @@ def _converter(transpose: bool, dtype, sharding) -> Callable[[np.ndarray], jax.A
         return (x.T if transpose else x).astype(dtype)
 
     return jax.jit(convert, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _assemble(shape: tuple[int, ...], sharding) -> Callable[..., jax.Array]:
+    """Pieces ([in, out_i] kernels or [out_i] biases) -> one fused parameter of ``shape``, joined along
+    its group axis -2 (see FUSED)."""
+
+    def assemble(*pieces):
+        lead = shape[:-2]
+        return jnp.concatenate([p.reshape(*lead, -1, shape[-1]) for p in pieces], axis=-2)
+
+    return jax.jit(assemble, out_shardings=sharding)
 
 
 def _clip(names: list[str], limit: int = 8) -> str:

@@ -50,7 +50,7 @@ def test_engine_builds_the_model_with_the_option(tmp_path, monkeypatch, option, 
     def load_and_stop(*args, **kwargs):
         model, _ = real_load(*args, **kwargs)
         attn = model.model.layers[0].self_attn
-        raise _Stop(kwargs["fp32_matmul_precision"], attn.q_proj.precision, attn.precision, model.lm_head.precision)
+        raise _Stop(kwargs["fp32_matmul_precision"], attn.qkv_proj.precision, attn.precision, model.lm_head.precision)
 
     monkeypatch.setattr(model_loader, "load_model", load_and_stop)
     args = EngineArgs(

@@ -80,7 +80,8 @@ def test_weights_and_kv_cache_follow_the_rules_table():
         _check_placed(var.get_value(), var.get_metadata()["out_sharding"], mesh)
     layer0 = runner.state["model"]["layers"][0]
     # The table, spelled out once here so a change to it is a visible decision.
-    assert layer0["self_attn"]["q_proj"]["kernel"][...].sharding.spec == P(None, "model")
+    assert layer0["self_attn"]["qkv_proj"]["kernel"][...].sharding.spec == P(None, "model", None, None)
+    assert layer0["mlp"]["gate_up_proj"]["kernel"][...].sharding.spec == P(None, None, "model")
     assert layer0["self_attn"]["o_proj"]["kernel"][...].sharding.spec == P("model", None)
     assert layer0["mlp"]["down_proj"]["kernel"][...].sharding.spec == P("model", None)
     assert runner.state["model"]["embed_tokens"]["embedding"][...].sharding.spec == P("model", None)

@@ -49,8 +49,8 @@ def _lowered_step(dtype, backend: str, *, tied: bool = False, **model_kw) -> str
     return jax.jit(step).lower(state, caches, ids, md).as_text()
 
 
-# Dense matmuls of the step: q, k, v, o and gate, up, down per layer, and the logits.
-DENSE_DOTS = 7 * LAYERS + 1
+# Dense matmuls of the step: qkv (fused), o, gate-up (fused) and down per layer, and the logits.
+DENSE_DOTS = 4 * LAYERS + 1
 
 
 @pytest.mark.parametrize("backend", ["reference", "xla", "pallas"])

@@ -91,9 +91,10 @@ def test_quantized_llama_loads_like_its_host_tensors(tmp_path, tp):
     for path_, var in got:
         got_value, want_value = np.asarray(var.get_value()), np.asarray(want[path_].get_value())
         np.testing.assert_array_equal(got_value, want_value, err_msg=str(path_))
-    q_kernel = model.model.layers[0].self_attn.q_proj.kernel.get_value()  # [in, out]: heads split over "model"
-    assert len(q_kernel.sharding.device_set) == tp
-    assert q_kernel.addressable_shards[0].data.shape == (q_kernel.shape[0], q_kernel.shape[1] // tp)
+    qkv_kernel = model.model.layers[0].self_attn.qkv_proj.kernel.get_value()  # [D, K, G+2, Dh]: K split over "model"
+    assert len(qkv_kernel.sharding.device_set) == tp
+    d, k, g2, dh = qkv_kernel.shape
+    assert qkv_kernel.addressable_shards[0].data.shape == (d, k // tp, g2, dh)
 
 
 @pytest.mark.slow

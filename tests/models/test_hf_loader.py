@@ -133,7 +133,7 @@ def test_dummy_model_gives_finite_logits(tiny_dir):
 def test_dummy_model_is_seeded(tiny_dir):
     cfg = TextModelConfig.from_hf_config(json.loads((tiny_dir / "config.json").read_text()))
     a, b = (load_dummy_model(cfg, dtype=jnp.float32, attention_fn=paged_attention, seed=s) for s in (0, 0))
-    leaf = lambda m: np.asarray(m.model.layers[0].self_attn.q_proj.kernel[...])  # noqa: E731
+    leaf = lambda m: np.asarray(m.model.layers[0].self_attn.qkv_proj.kernel[...])  # noqa: E731
     np.testing.assert_array_equal(leaf(a), leaf(b))
 
 

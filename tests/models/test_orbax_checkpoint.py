@@ -98,9 +98,9 @@ def test_restores_into_tp2_shardings(root):
     mesh = sharding.replica_meshes(sharding.make_mesh(2))[0]
     want, _ = _weights(*_source("hf", root))
     got, _ = _weights(_converted("hf", root), shardings_fn=sharding.shardings_fn(mesh))
-    q = got["model.layers.0.self_attn.q_proj.kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
-    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // 2)}
+    qkv = got["model.layers.0.self_attn.qkv_proj.kernel"]  # [D, K, G+2, Dh]
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, "model", None, None)
+    assert {s.data.shape for s in qkv.addressable_shards} == {(qkv.shape[0], qkv.shape[1] // 2, *qkv.shape[2:])}
     assert got["model.norm.scale"].sharding.spec == jax.sharding.PartitionSpec(None)
     for name, array in want.items():
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(array), err_msg=name)
@@ -243,3 +243,10 @@ def test_reconvert_to_another_dtype(root, tmp_path):
     got, _ = _weights(out, dtype=jnp.bfloat16)
     for name, array in want.items():
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(array), err_msg=name)
+
+
+def test_older_format_version_asks_for_reconversion(copy):
+    """Version 1 stored q/k/v and gate/up apart; this jaxserve runs them fused and says to reconvert."""
+    _edit_json(os.path.join(copy, METADATA_FILE), format_version=1, jaxserve_version="0.1.0")
+    with pytest.raises(CheckpointError, match=r"format version 1 .*fuses q/k/v.*jaxserve convert"):
+        read_text_config(copy)
