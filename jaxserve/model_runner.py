@@ -41,24 +41,53 @@ from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
-from jaxserve.sampler import SamplerOutput, sample, to_runner_output
+from jaxserve.sampler import SamplerOutput, argmax, sample, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("jaxserve")
 
 
-def _forward(graphdef, treedef, params, kv_caches, input_ids, prev_index, prev_tokens, md: AttentionMetadata):
-    """Pure step: (params, cache, batch) -> (logits of each sequence's last token [S, V], new cache).
+def _forward(graphdef, treedef, num_rows_max, params, kv_caches, tok_fields, seq_fields, prev_tokens):
+    """Pure step: (params, cache, packed batch) -> (logits of each sequence's last token [S, V], their argmax
+    padded to [S_max], new cache).
 
-    ``input_ids`` [T] holds the tokens known on the host; where ``prev_index`` [T] is >= 0 the token is
-    the previous step's sample ``prev_tokens[prev_index]`` ([S_max] i32, still on the device).
+    The batch travels as two int32 arrays (``pack_inputs``): one host-to-device copy each, where one per field
+    cost the host ~60 us apiece. Where a token's ``prev_index`` is >= 0 it is the previous step's sample
+    ``prev_tokens[prev_index]`` ([S_max] i32, still on the device). The argmax is the whole sampler of a plain
+    greedy batch, which then needs no second program (``_run``).
     """
-    input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)  # [T]
+    input_ids, prev_index, md = unpack_inputs(tok_fields, seq_fields)
+    input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     hidden, kv_caches = model(input_ids, kv_caches, md)  # [T, E]
     logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
-    return logits, kv_caches
+    greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
+    return logits, greedy, kv_caches
+
+
+def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    """StepInputs -> (tok_fields [5, T], seq_fields [S, 3 + B]), int32. query_start_loc[0] is always 0 and is
+    left out, so that the per-sequence fields share one row each."""
+    tok = np.stack([x.input_ids, x.prev_index, x.positions, x.slot_mapping, x.token_seq_ids])  # [5, T]
+    seq = np.concatenate(
+        [x.query_start_loc[1:, None], x.seq_lens[:, None], x.logits_indices[:, None], x.block_tables], axis=1
+    )  # [S, 3 + B]
+    return tok, seq
+
+
+def unpack_inputs(tok: jax.Array, seq: jax.Array) -> tuple[jax.Array, jax.Array, AttentionMetadata]:
+    """The inverse of pack_inputs, inside the step: (input_ids [T], prev_index [T], AttentionMetadata)."""
+    md = AttentionMetadata(
+        positions=tok[2],
+        slot_mapping=tok[3],
+        token_seq_ids=tok[4],
+        query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), seq[:, 0]]),
+        seq_lens=seq[:, 1],
+        block_tables=seq[:, 3:],
+        logits_indices=seq[:, 2],
+    )
+    return tok[0], tok[1], md
 
 
 def _sample_padded(logits: jax.Array, md: SamplingMetadata, num_rows_max: int) -> SamplerOutput:
@@ -134,14 +163,14 @@ class ModelRunner:
         cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
         batch_sharding = sharding.replicated(self.mesh)  # input ids and the whole AttentionMetadata
         logits_sharding = self._logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
-        self._step = jax.jit(
-            functools.partial(_forward, self.graphdef, self._treedef),
-            donate_argnums=1,
-            in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 4,
-            out_shardings=(logits_sharding, cache_shardings),
-        )
         # Every step's samples are padded to the largest S bucket: the next step reads them in one shape.
         self.max_rows = buckets.seq_bucket_for(self.token_buckets[-1], scheduler_config.max_num_seqs)
+        self._step = jax.jit(
+            functools.partial(_forward, self.graphdef, self._treedef, self.max_rows),
+            donate_argnums=1,
+            in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 3,
+            out_shardings=(logits_sharding, batch_sharding, cache_shardings),
+        )
         self._sample = jax.jit(functools.partial(_sample_padded, num_rows_max=self.max_rows))
         self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
         self.num_steps = 0
@@ -222,15 +251,17 @@ class ModelRunner:
         return min(1 << max(4, (longest - 1).bit_length()), self.model_config.max_model_len)
 
     def _run(self, x: StepInputs, sampling_md: SamplingMetadata) -> SamplerOutput:
-        md = self._metadata(x)
         if self._eager_model is not None:
+            md = self._metadata(x)
             prev = jnp.asarray(x.prev_index)
             input_ids = jnp.where(prev >= 0, self._last_tokens[jnp.maximum(prev, 0)], jnp.asarray(x.input_ids))
             hidden, self.kv_caches = self._eager_model(input_ids, self.kv_caches, md)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
             return _sample_padded(logits, sampling_md, self.max_rows)
         step = self._programs.get((x.input_ids.shape[0], x.block_tables.shape[1]), self._step)
-        logits, self.kv_caches = step(self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, md)
+        logits, greedy, self.kv_caches = step(self.params, self.kv_caches, *pack_inputs(x), self._last_tokens)
+        if sampling_md.plain_greedy:
+            return SamplerOutput(token_ids=greedy)  # the step's own argmax: no sampler program to launch
         return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md)
 
     # ------------------------------------------------------------------ compile
@@ -289,7 +320,7 @@ class ModelRunner:
             logger.info("step programs: %d loaded from %s, %d compiled", store.hits, store.root, store.misses)
         if shapes and self.runner_config.platform != "cpu":
             t, b = max(shapes)
-            logits, self.kv_caches = self._programs[(t, b)](*self._dummy_args(t, b))
+            logits, _, self.kv_caches = self._programs[(t, b)](*self._dummy_args(t, b))
             jax.block_until_ready(logits)
         return time.perf_counter() - start
 
@@ -322,6 +353,8 @@ class ModelRunner:
             # The sharding the step's logits really have: with another, the first real call would miss this program.
             logits = jax.ShapeDtypeStruct((s, self.text_config.vocab_size), jnp.float32, sharding=self._logits_sharding)
             for md in SamplingMetadata.warmup_variants(s, with_logprobs):
+                if md.plain_greedy:
+                    continue  # the step's own argmax serves it (_run)
                 out.append((_sampler_key(md), functools.partial(self._sample.lower, logits, md)))
         return out
 
@@ -329,7 +362,7 @@ class ModelRunner:
         """The step's arguments for a padding-only batch of shape (t tokens, b blocks per sequence)."""
         s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
         x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
-        return self.params, self.kv_caches, x.input_ids, x.prev_index, self._last_tokens, self._metadata(x)
+        return self.params, self.kv_caches, *pack_inputs(x), self._last_tokens
 
 
 def _sampler_key(md: SamplingMetadata) -> tuple:

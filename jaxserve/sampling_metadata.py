@@ -56,6 +56,11 @@ class SamplingMetadata:
     def num_rows(self) -> int:
         return self.temperature.shape[0]
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the bare argmax of the model's logits: the step's own argmax is the sample."""
+        return self.all_greedy and not (self.needs_penalties or self.needs_logprobs or self.needs_bans)
+
     @classmethod
     def from_seqs(cls, seqs: Sequence[ScheduledSeq], num_rows: int, history_len: int = 0) -> "SamplingMetadata":
         """Rows follow ``seqs``, padded to ``num_rows``.
