@@ -153,7 +153,7 @@ def build_engine_components(
         "%d KV blocks, %d of %d step shapes compiled in %.1fs (precompile=%s; the rest compile on first use)",
         served, fmt, dtype, tp, [d.id for d in mesh.devices.flat], weight_bytes / 1e9, load_s,
         weight_bytes / 1e9 / max(load_s, 1e-9), tokenizer_s, runner.num_blocks,
-        len(runner.compiled_shapes), len(runner.token_buckets) * len(runner.width_buckets), compile_s, precompile,
+        len(runner.compiled_shapes), runner.num_step_shapes, compile_s, precompile,
     )
     eos = set(text_config.eos_token_ids or ())
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -48,16 +48,17 @@ from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger("jaxserve")
 
 
-def _forward(graphdef, treedef, num_rows_max, params, kv_caches, tok_fields, seq_fields, prev_tokens):
+def _forward(graphdef, treedef, num_rows_max, decode_only, params, kv_caches, tok_fields, seq_fields, prev_tokens):
     """Pure step: (params, cache, packed batch) -> (logits of each sequence's last token [S, V], their argmax
     padded to [S_max], new cache).
 
     The batch travels as two int32 arrays (``pack_inputs``): one host-to-device copy each, where one per field
     cost the host ~60 us apiece. Where a token's ``prev_index`` is >= 0 it is the previous step's sample
     ``prev_tokens[prev_index]`` ([S_max] i32, still on the device). The argmax is the whole sampler of a plain
-    greedy batch, which then needs no second program (``_run``).
+    greedy batch, which then needs no second program (``_run``). ``decode_only`` (static) marks the variant
+    compiled for steps whose every sequence has one new token (see AttentionMetadata.decode_only).
     """
-    input_ids, prev_index, md = unpack_inputs(tok_fields, seq_fields)
+    input_ids, prev_index, md = unpack_inputs(tok_fields, seq_fields, decode_only)
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     hidden, kv_caches = model(input_ids, kv_caches, md)  # [T, E]
@@ -76,7 +77,9 @@ def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
     return tok, seq
 
 
-def unpack_inputs(tok: jax.Array, seq: jax.Array) -> tuple[jax.Array, jax.Array, AttentionMetadata]:
+def unpack_inputs(
+    tok: jax.Array, seq: jax.Array, decode_only: bool = False
+) -> tuple[jax.Array, jax.Array, AttentionMetadata]:
     """The inverse of pack_inputs, inside the step: (input_ids [T], prev_index [T], AttentionMetadata)."""
     md = AttentionMetadata(
         positions=tok[2],
@@ -86,6 +89,7 @@ def unpack_inputs(tok: jax.Array, seq: jax.Array) -> tuple[jax.Array, jax.Array,
         seq_lens=seq[:, 1],
         block_tables=seq[:, 3:],
         logits_indices=seq[:, 2],
+        decode_only=decode_only,
     )
     return tok[0], tok[1], md
 
@@ -165,17 +169,24 @@ class ModelRunner:
         logits_sharding = self._logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
         # Every step's samples are padded to the largest S bucket: the next step reads them in one shape.
         self.max_rows = buckets.seq_bucket_for(self.token_buckets[-1], scheduler_config.max_num_seqs)
-        self._step = jax.jit(
-            functools.partial(_forward, self.graphdef, self._treedef, self.max_rows),
-            donate_argnums=1,
-            in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 3,
-            out_shardings=(logits_sharding, batch_sharding, cache_shardings),
-        )
+        # Pure-decode steps get their own program where the attention backend has a cheaper path for them
+        # (the GPU kernels skip the prefill kernel's launch: ~5 µs x layers per step; on CPU the same kernels run
+        # interpreted, in tests). The TPU kernel has a single path: no variant there.
+        self.decode_variants = runner_config.attention_backend == "pallas" and runner_config.platform in ("gpu", "cpu")
+        self._steps = {
+            decode_only: jax.jit(
+                functools.partial(_forward, self.graphdef, self._treedef, self.max_rows, decode_only),
+                donate_argnums=1,
+                in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 3,
+                out_shardings=(logits_sharding, batch_sharding, cache_shardings),
+            )
+            for decode_only in ((False, True) if self.decode_variants else (False,))
+        }
         self._sample = jax.jit(functools.partial(_sample_padded, num_rows_max=self.max_rows))
         self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
         self.num_steps = 0
-        self.compiled_shapes: set[tuple[int, int]] = set()  # (T, B) compiled at start-up or since
-        self._programs: dict[tuple[int, int], Any] = {}  # (T, B) -> the start-up's compiled step (jax.stages.Compiled)
+        self.compiled_shapes: set[tuple[int, int, bool]] = set()  # (T, B, decode_only) compiled at start-up or since
+        self._programs: dict[tuple[int, int, bool], Any] = {}  # (T, B, decode_only) -> compiled step (jax.stages.Compiled)
         self._sampler_programs: dict[tuple, Any] = {}  # _sampler_key -> the start-up's compiled sampler
         self.num_lazy_compiles = 0
         self.num_loaded_programs = 0  # step programs the warm-up read from the executable store
@@ -193,12 +204,29 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def _shapes_for(self, sched: SchedulerOutput) -> tuple[int, int, int]:
+    def _shapes_for(self, sched: SchedulerOutput) -> tuple[int, int, int, bool]:
         t = buckets.pick(self.token_buckets, sched.num_batched_tokens)
         s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
         longest = max(seq.start_pos + len(seq.token_ids) for seq in sched.seqs)
         b = buckets.pick(self.width_buckets, math.ceil(longest / self.block_size))
-        return t, s, b
+        decode_only = self.decode_variants and sched.num_batched_tokens == len(sched.seqs)
+        return t, s, b, decode_only
+
+    @property
+    def num_step_shapes(self) -> int:
+        """Every step program this runner may use (compiled at start-up or on first use)."""
+        return len(self._all_shapes())
+
+    def _all_shapes(self) -> list[tuple[int, int, bool]]:
+        return self._with_decode_variants([(t, b) for t in self.token_buckets for b in self.width_buckets])
+
+    def _with_decode_variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+        """(T, B) -> (T, B, False), plus (T, B, True) for token buckets a pure-decode step can land in."""
+        out = [(t, b, False) for t, b in shapes]
+        if self.decode_variants:
+            most = buckets.pick(self.token_buckets, min(self.scheduler_config.max_num_seqs, self.token_buckets[-1]))
+            out += [(t, b, True) for t, b in shapes if t <= most]
+        return out
 
     @staticmethod
     def _metadata(x: StepInputs) -> AttentionMetadata:
@@ -219,11 +247,12 @@ class ModelRunner:
     def dispatch(self, sched: SchedulerOutput) -> StepHandle:
         """Launch one scheduled step without waiting for it. Placeholder tokens (``seq.num_placeholders``)
         are taken on the device from the samples of the step dispatched just before this one."""
-        t, s, b = self._shapes_for(sched)
-        if (t, b) not in self.compiled_shapes and self._eager_model is None:
+        t, s, b, decode_only = self._shapes_for(sched)
+        if (t, b, decode_only) not in self.compiled_shapes and self._eager_model is None:
             # Not compiled at start-up (precompile): jit compiles it inside this call, once.
-            logger.info("compiling step shape tokens=%d ctx=%d on first use", t, b * self.block_size)
-            self.compiled_shapes.add((t, b))
+            logger.info("compiling step shape tokens=%d ctx=%d%s on first use", t, b * self.block_size,
+                        " (decode only)" if decode_only else "")
+            self.compiled_shapes.add((t, b, decode_only))
             self.num_lazy_compiles += 1
         x = build_step_inputs(
             sched.seqs,
@@ -234,7 +263,7 @@ class ModelRunner:
             num_blocks=self.num_blocks,
         )
         sampling_md = SamplingMetadata.from_seqs(sched.seqs, s, self._history_len(sched))
-        out = self._run(x, sampling_md)
+        out = self._run(x, sampling_md, decode_only)
         self._last_tokens = out.token_ids
         self.num_steps += 1
         return StepHandle(out, len(sched.seqs))
@@ -250,7 +279,7 @@ class ModelRunner:
         longest = max(len(seq.history) for seq in sched.seqs)
         return min(1 << max(4, (longest - 1).bit_length()), self.model_config.max_model_len)
 
-    def _run(self, x: StepInputs, sampling_md: SamplingMetadata) -> SamplerOutput:
+    def _run(self, x: StepInputs, sampling_md: SamplingMetadata, decode_only: bool = False) -> SamplerOutput:
         if self._eager_model is not None:
             md = self._metadata(x)
             prev = jnp.asarray(x.prev_index)
@@ -258,7 +287,8 @@ class ModelRunner:
             hidden, self.kv_caches = self._eager_model(input_ids, self.kv_caches, md)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
             return _sample_padded(logits, sampling_md, self.max_rows)
-        step = self._programs.get((x.input_ids.shape[0], x.block_tables.shape[1]), self._step)
+        key = (x.input_ids.shape[0], x.block_tables.shape[1], decode_only)
+        step = self._programs.get(key, self._steps[decode_only])
         logits, greedy, self.kv_caches = step(self.params, self.kv_caches, *pack_inputs(x), self._last_tokens)
         if sampling_md.plain_greedy:
             return SamplerOutput(token_ids=greedy)  # the step's own argmax: no sampler program to launch
@@ -280,15 +310,17 @@ class ModelRunner:
         if self._eager_model is not None:
             return 0.0
         start = time.perf_counter()
-        shapes = buckets.startup_shapes(self.token_buckets, self.width_buckets, self.runner_config.precompile)
+        shapes = self._with_decode_variants(
+            buckets.startup_shapes(self.token_buckets, self.width_buckets, self.runner_config.precompile)
+        )
         store = self._executable_store()
         workers = max(1, min(len(shapes), os.cpu_count() or 1, 8))
         bar = tqdm(total=len(shapes), desc="Compiling step shapes", unit="shape", disable=not progress, leave=False)
 
-        def compile_step(t: int, b: int, lowered) -> None:
-            self._programs[(t, b)] = program = lowered.compile()
+        def compile_step(shape: tuple[int, int, bool], lowered) -> None:
+            self._programs[shape] = program = lowered.compile()
             if store is not None:
-                store.save(f"step-t{t}-b{b}", program)
+                store.save(_step_name(shape), program)
 
         def compile_sampler(key: tuple, lowered) -> None:
             self._sampler_programs[key] = program = lowered.compile()
@@ -303,13 +335,14 @@ class ModelRunner:
                     self._sampler_programs[key] = program
                 else:
                     jobs.append(pool.submit(compile_sampler, key, lower()))
-            for t, b in shapes:
-                program = store.load(f"step-t{t}-b{b}", list(self.mesh.devices.flat)) if store is not None else None
+            for shape in shapes:
+                program = store.load(_step_name(shape), list(self.mesh.devices.flat)) if store is not None else None
                 if program is not None:
-                    self._programs[(t, b)] = program
+                    self._programs[shape] = program
                     bar.update()
                     continue
-                jobs.append(pool.submit(compile_step, t, b, self._step.lower(*self._dummy_args(t, b))))
+                lowered = self._steps[shape[2]].lower(*self._dummy_args(*shape[:2]))
+                jobs.append(pool.submit(compile_step, shape, lowered))
                 jobs[-1].add_done_callback(lambda _: bar.update())
             for job in concurrent.futures.as_completed(jobs):
                 job.result()  # a failed compile raises here, at start-up
@@ -319,8 +352,8 @@ class ModelRunner:
         if store is not None:
             logger.info("step programs: %d loaded from %s, %d compiled", store.hits, store.root, store.misses)
         if shapes and self.runner_config.platform != "cpu":
-            t, b = max(shapes)
-            logits, _, self.kv_caches = self._programs[(t, b)](*self._dummy_args(t, b))
+            t, b, decode_only = max(shapes)
+            logits, _, self.kv_caches = self._programs[(t, b, decode_only)](*self._dummy_args(t, b))
             jax.block_until_ready(logits)
         return time.perf_counter() - start
 
@@ -347,7 +380,7 @@ class ModelRunner:
         """(key, lower) for the sampler's programs at every row count S the start-up shapes reach (S depends on
         T only); the logprobs variants only with precompile="all" (others compile on first use, through jit)."""
         with_logprobs = self.runner_config.precompile == "all"
-        rows = sorted({buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs) for t, _ in shapes})
+        rows = sorted({buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs) for t, *_ in shapes})
         out = []
         for s in rows:
             # The sharding the step's logits really have: with another, the first real call would miss this program.
@@ -369,6 +402,11 @@ def _sampler_key(md: SamplingMetadata) -> tuple:
     """What selects one compiled sampler: the row count, the static flags and the history width."""
     return (md.num_rows, md.all_greedy, md.needs_penalties, md.needs_filters, md.needs_logprobs, md.needs_bans,
             md.history.shape[1])
+
+
+def _step_name(shape: tuple[int, int, bool]) -> str:
+    t, b, decode_only = shape
+    return f"step-t{t}-b{b}" + ("-decode" if decode_only else "")
 
 
 def _sampler_name(key: tuple) -> str:

@@ -30,6 +30,9 @@ class AttentionMetadata:
     seq_lens: jax.Array  # [S] int32: context length of each sequence including this step's tokens
     block_tables: jax.Array  # [S, max_blocks] int32: physical block ids of each sequence's pages
     logits_indices: jax.Array  # [S] int32: flat index of each sequence's last token this step
+    # Static: every sequence has at most one new token (a pure decode step). A kernel may then skip its
+    # prefill path: the GPU backend launches no prefill kernel (an empty one cost ~5 µs per layer).
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_tokens(self) -> int:

@@ -176,6 +176,14 @@ def ragged_attention_gpu(
         heads_inner=cfg.decode_heads_inner, precision=precision, interpret=interpret,
     )  # fmt: skip
     max_prefill_seqs = t // (q_per_seq + 1)  # a prefill sequence has more than q_per_seq tokens
+    seq = md.token_seq_ids  # [T]
+    r = jnp.arange(t, dtype=jnp.int32) - qsl[seq]  # [T] index of the token within its sequence's query
+    in_range = (r >= 0) & (r < q_lens[seq])
+
+    if md.decode_only:
+        # Every sequence has one new token (the runner's pure-decode variant): the decode kernel alone.
+        dec = decode()[:t, :, :g]
+        return jnp.where(in_range[:, None, None, None], dec, 0).reshape(t, h, d)
 
     if use_mosaic:
         mcfg = mosaic_prefill.MosaicPrefillConfig(
@@ -201,9 +209,6 @@ def ragged_attention_gpu(
 
     # Each token takes the output of the kernel that owned its sequence; tokens outside every query
     # range (padding) get zeros instead of whatever the unwritten rows held.
-    seq = md.token_seq_ids  # [T]
-    r = jnp.arange(t, dtype=jnp.int32) - qsl[seq]  # [T] index of the token within its sequence's query
-    in_range = (r >= 0) & (r < q_lens[seq])
     use_dec = (in_range & is_decode_seq[seq])[:, None, None, None]
     use_pre = (in_range & ~is_decode_seq[seq])[:, None, None, None]
     out = jnp.where(use_dec, dec, jnp.where(use_pre, pre, 0))

@@ -24,3 +24,5 @@ def test_pallas_backend_matches_reference_and_hf(variant):
         assert llm.llm_engine.runner.runner_config.attention_backend == backend
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want, backend
+        if backend == "pallas":  # pure-decode steps ran their own program (no prefill kernel)
+            assert any(decode_only for *_, decode_only in llm.llm_engine.runner.compiled_shapes)

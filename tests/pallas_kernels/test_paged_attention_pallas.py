@@ -95,6 +95,26 @@ def test_decode_only_long_context_split(splits, heads_inner):
     _check(batch, out, scale=0.125)
 
 
+@pytest.mark.parametrize("h,kh,d,dtype,p", SHAPES[:3])
+def test_decode_only_variant_skips_prefill_and_agrees(h, kh, d, dtype, p):
+    """The runner's pure-decode program (AttentionMetadata.decode_only): the decode kernel alone, same
+    output as the reference, padding rows zero."""
+    import dataclasses
+
+    rng = np.random.default_rng()
+    batch = make_batch(
+        rng, q_lens=[1, 1, 1], ctx_lens=[1, 3 * p + 5, 2 * p], num_heads=h, num_kv_heads=kh, head_dim=d,
+        block_size=p, dtype=dtype, pad_tokens=5, pad_seqs=2, table_width=6,
+    )  # fmt: skip
+    batch = dataclasses.replace(batch, md=dataclasses.replace(batch.md, decode_only=True))
+    out, _, _ = _run(batch, scale=d**-0.5)
+    _check(batch, out, scale=d**-0.5, dtype=dtype)
+    jaxpr = str(jax.make_jaxpr(functools.partial(paged_attention_pallas, scale=0.1, interpret=INTERPRET))(
+        batch.q, batch.k_new, batch.v_new, batch.k_pages, batch.v_pages, batch.md
+    ))
+    assert "jaxserve_paged_decode" in jaxpr and "prefill" not in jaxpr  # no prefill kernel in the program
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_writes_only_its_rows_into_a_given_buffer(splits):
     """Given the prefill kernel's output buffer, the decode kernel writes its tokens' rows and no others."""
