@@ -169,9 +169,11 @@ class ModelRunner:
         logits_sharding = self._logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
         # Every step's samples are padded to the largest S bucket: the next step reads them in one shape.
         self.max_rows = buckets.seq_bucket_for(self.token_buckets[-1], scheduler_config.max_num_seqs)
-        # Pure-decode steps get their own program where the attention backend has a cheaper path for them
-        # (the GPU kernels skip the prefill kernel's launch: ~5 µs x layers per step; on CPU the same kernels run
-        # interpreted, in tests). The TPU kernel has a single path: no variant there.
+        # Pure-decode steps (AttentionMetadata.decode_only) take a cheaper attention path: the GPU kernels skip
+        # the prefill kernel's launch (~5 µs x layers per step), the xla backend skips its prompt-token routes.
+        # With the pallas backend (GPU; on CPU its kernels run interpreted, in tests) such steps get programs of
+        # their own; elsewhere only the 1-token bucket, which can hold nothing but one decode, takes that path
+        # (no extra program). The TPU kernel has a single path.
         self.decode_variants = runner_config.attention_backend == "pallas" and runner_config.platform in ("gpu", "cpu")
         self._steps = {
             decode_only: jax.jit(
@@ -180,7 +182,7 @@ class ModelRunner:
                 in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 3,
                 out_shardings=(logits_sharding, batch_sharding, cache_shardings),
             )
-            for decode_only in ((False, True) if self.decode_variants else (False,))
+            for decode_only in (False, True)
         }
         self._sample = jax.jit(functools.partial(_sample_padded, num_rows_max=self.max_rows))
         self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
@@ -209,7 +211,7 @@ class ModelRunner:
         s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
         longest = max(seq.start_pos + len(seq.token_ids) for seq in sched.seqs)
         b = buckets.pick(self.width_buckets, math.ceil(longest / self.block_size))
-        decode_only = self.decode_variants and sched.num_batched_tokens == len(sched.seqs)
+        decode_only = (self.decode_variants or t == 1) and sched.num_batched_tokens == len(sched.seqs)
         return t, s, b, decode_only
 
     @property
@@ -221,11 +223,12 @@ class ModelRunner:
         return self._with_decode_variants([(t, b) for t in self.token_buckets for b in self.width_buckets])
 
     def _with_decode_variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
-        """(T, B) -> (T, B, False), plus (T, B, True) for token buckets a pure-decode step can land in."""
-        out = [(t, b, False) for t, b in shapes]
+        """(T, B) -> (T, B, False), plus (T, B, True) for token buckets a pure-decode step can land in; a
+        1-token bucket has the decode program only."""
+        out = [(t, b, t == 1) for t, b in shapes]
         if self.decode_variants:
             most = buckets.pick(self.token_buckets, min(self.scheduler_config.max_num_seqs, self.token_buckets[-1]))
-            out += [(t, b, True) for t, b in shapes if t <= most]
+            out += [(t, b, True) for t, b in shapes if 1 < t <= most]
         return out
 
     @staticmethod

@@ -90,8 +90,16 @@ def ragged_paged_attention_xla(
         _, l, o = _partial_softmax(sc, vis[:, None, None, :], v_seq, "skgc,sckd->skgd", precision)
         return jax.lax.dynamic_update_slice_in_dim(out_last, o / jnp.maximum(l, 1e-30)[..., None], rows, 0)
 
-    num_chunks = ((md.seq_lens > 0).sum() + ch - 1) // ch  # real sequences come first
-    out_last = jax.lax.fori_loop(0, num_chunks, last_tokens, jnp.zeros((s, kh, g, d), f32))  # [S, K, G, D]
+    zeros_last = jnp.zeros((s, kh, g, d), f32)
+    if md.decode_only and ch == s:  # one chunk: no loop (XLA:CPU pays for a while loop per layer)
+        out_last = last_tokens(0, zeros_last)  # [S, K, G, D]
+    else:
+        num_chunks = ((md.seq_lens > 0).sum() + ch - 1) // ch  # real sequences come first
+        out_last = jax.lax.fori_loop(0, num_chunks, last_tokens, zeros_last)  # [S, K, G, D]
+    if md.decode_only:
+        # Every token is its sequence's only new one, hence its last: route 1 is the whole answer.
+        out = jnp.where(real_tok[:, None, None, None], out_last[seq_of], 0.0)
+        return out.reshape(t, h, d).astype(q.dtype)
 
     # 2. Every token over this step's keys of its own sequence. Padding rows of v_new may hold anything
     # (even NaN after many layers of garbage): zero them, since 0 * NaN would poison real rows.

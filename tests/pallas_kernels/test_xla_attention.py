@@ -76,6 +76,24 @@ def test_only_decodes_and_only_prefills():
         _compare(batch)
 
 
+@pytest.mark.parametrize("num_seqs,pad_seqs", [(1, 0), (3, 2), (20, 4)])
+def test_decode_only_path(num_seqs, pad_seqs):
+    """AttentionMetadata.decode_only: route 1 alone (one chunk without a loop up to 16 sequences, the loop
+    beyond), padding tokens zero, same as the reference."""
+    import dataclasses
+
+    rng = np.random.default_rng(num_seqs)
+    ctx_lens = [int(c) for c in rng.integers(1, 90, num_seqs)]
+    batch = make_batch(rng, q_lens=[1] * num_seqs, ctx_lens=ctx_lens, num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype=jnp.float32, pad_tokens=3, pad_seqs=pad_seqs)  # fmt: skip
+    batch = dataclasses.replace(batch, md=dataclasses.replace(batch.md, decode_only=True))
+    _compare(batch)
+    out, _, _ = jax.jit(functools.partial(paged_attention_xla, scale=0.1))(
+        batch.q, batch.k_new, batch.v_new, batch.k_pages, batch.v_pages, batch.md
+    )
+    np.testing.assert_array_equal(np.asarray(out)[num_seqs:], 0.0)
+
+
 def test_nan_in_padding_rows_does_not_leak():
     """Padding rows of k_new/v_new are garbage (they can be NaN deep in a model); real tokens read this
     step's keys straight from k_new/v_new, so the padding rows must be masked out, not multiplied by 0."""
