@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     dispatch = runner.dispatch
 
     def timed(sched):
-        t, _, b = runner._shapes_for(sched)
+        t, _, b, _ = runner._shapes_for(sched)
         start = time.perf_counter()
         handle = dispatch(sched)
         jax.block_until_ready(handle.sampled)  # the engine runs one step at a time here (see below)
