@@ -41,6 +41,14 @@ def resolve_runner(args: EngineArgs) -> str:
     return "pooling" if is_pooling_checkpoint(path) else "generate"
 
 
+def encode_text(tokenizer, text: str, keep: Optional[int], add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``; with ``keep``, truncated by the tokenizer itself to ``keep`` tokens (its own side
+    and special tokens, as sentence-transformers truncates)."""
+    if keep is None:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return list(tokenizer(text, truncation=True, max_length=keep, add_special_tokens=add_special_tokens)["input_ids"])
+
+
 class PoolingEngine:
     """Owns the tokenizer, the pooling scheduler and runner. Not thread-safe: one caller."""
 
@@ -133,9 +141,7 @@ class PoolingEngine:
                 raise ValueError("prompt is empty: give some text or prompt_token_ids")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, but skip_tokenizer_init=True; pass prompt_token_ids")
-            if keep is None:
-                return prompt, list(self.tokenizer.encode(prompt))
-            return prompt, list(self.tokenizer(prompt, truncation=True, max_length=keep)["input_ids"])
+            return prompt, encode_text(self.tokenizer, prompt, keep)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
             return None, ids[-keep:] if keep is not None else ids
