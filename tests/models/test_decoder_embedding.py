@@ -69,3 +69,17 @@ def test_generate_model_refuses_embed(tmp_path):
               compilation_cache_dir="", precompile="none", use_tqdm_on_load=False)  # fmt: skip
     with pytest.raises(ValueError, match="runs as a generative model, which does not embed.*runner='pooling'"):
         llm.embed("hello")
+
+
+def test_matryoshka_dimensions_truncate_then_normalize(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
+    llm = LLM(str(path), runner="pooling", dtype="float32", max_num_batched_tokens=64, compilation_cache_dir="",
+              precompile="none", use_tqdm_on_load=False)  # fmt: skip
+    ids = {"prompt_token_ids": PROMPTS[0]}
+    full = np.array(llm.embed(ids, PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding)
+    short = llm.embed(ids, PoolingParams(dimensions=16), use_tqdm=False)[0].outputs.embedding
+    np.testing.assert_allclose(short, full[:16] / np.linalg.norm(full[:16]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"dimensions=8 is invalid for this model: choose one of \[16, 32\]"):
+        llm.embed(ids, PoolingParams(dimensions=8), use_tqdm=False)
