@@ -31,7 +31,9 @@ def resolve_runner(args: EngineArgs) -> str:
     if args.task is not None:
         by_task = _TASK_RUNNER[args.task]
         if runner not in ("auto", by_task) and by_task != "auto":
-            raise ValueError(f"task={args.task!r} asks for runner={by_task!r} but runner={runner!r}; give one of the two")
+            raise ValueError(
+                f"task={args.task!r} asks for runner={by_task!r} but runner={runner!r}; give one of the two"
+            )
         runner = by_task if by_task != "auto" else runner
     if runner != "auto":
         return runner
@@ -123,7 +125,9 @@ class PoolingEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def tokenize_prompt(self, prompt: PromptType, params: Optional[PoolingParams] = None) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(
+        self, prompt: PromptType, params: Optional[PoolingParams] = None
+    ) -> tuple[Optional[str], list[int]]:
         """A string, token ids, {"prompt": str} or {"prompt_token_ids": [...]} -> (text, ids), truncated as
         ``params.truncate_prompt_tokens`` asks (see PoolingParams)."""
         params = params or PoolingParams()
@@ -230,7 +234,8 @@ class PoolingEngine:
             p = req.params
             normalize = self.pooling.normalize if p.normalize is None else p.normalize
             vec = finish_embedding(row, normalize=normalize, dimensions=p.dimensions)
-            outputs.append(EmbeddingRequestOutput(req.request_id, EmbeddingOutput(vec.tolist()), req.prompt_token_ids, req.prompt))
+            out = EmbeddingOutput(vec.tolist())
+            outputs.append(EmbeddingRequestOutput(req.request_id, out, req.prompt_token_ids, req.prompt))
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -25,7 +25,9 @@ class PoolingParams:
     def __post_init__(self):
         t = self.truncate_prompt_tokens
         if t is not None and (not isinstance(t, int) or (t < 1 and t != -1)):
-            raise ValueError(f"truncate_prompt_tokens={t!r} is invalid: must be a positive integer, or -1 for max_model_len")
+            raise ValueError(
+                f"truncate_prompt_tokens={t!r} is invalid: must be a positive integer, or -1 for max_model_len"
+            )
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"dimensions={d!r} is invalid: must be a positive integer")

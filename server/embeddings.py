@@ -7,10 +7,10 @@ server answers /v1/embeddings the same way, so a client pointed at the wrong ser
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
-from pydantic import Field
+from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -31,7 +31,12 @@ GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 class EmbeddingRequest(_Request):
     """OpenAI's embeddings body, plus vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens``."""
 
-    input: Any  # str | list[str] | list[int] | list[list[int]]: checked by prompts(), which names the problem
+    # str | list[str] | list[int] | list[list[int]]: checked by prompts(), whose 400 names the problem
+    input: Any = Field(json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+        {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+    ]})  # fmt: skip
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(None, ge=1)
@@ -59,6 +64,26 @@ class EmbeddingRequest(_Request):
         if any(isinstance(t, str) and not t for t in items):
             raise bad_request("input must not contain empty strings", param="input")
         return items
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 def _is_id(t) -> bool:
@@ -108,14 +133,13 @@ async def create_embedding(request: Request) -> Response:
     if any(f.outputs is None for f in finals):
         raise APIError(500, "the request was aborted before its embedding was computed (server shutting down?)")
     data = [
-        {"object": "embedding", "index": i, "embedding": _encode(f.outputs.embedding, body.encoding_format)}
+        EmbeddingData(index=i, embedding=_encode(f.outputs.embedding, body.encoding_format))
         for i, f in enumerate(finals)
     ]
     n = sum(len(p) for p in prompts)
-    return JSONResponse({
-        "id": request_id, "object": "list", "created": now_s(), "model": model, "data": data,
-        "usage": {"prompt_tokens": n, "total_tokens": n},
-    })  # fmt: skip
+    usage = EmbeddingUsage(prompt_tokens=n, total_tokens=n)
+    resp = EmbeddingResponse(id=request_id, created=now_s(), model=model, data=data, usage=usage)
+    return JSONResponse(resp.model_dump())
 
 
 def _refusal(message: str, code: str):

@@ -24,7 +24,8 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--min-len", "--min_len", dest="min_len", type=int, default=8)
     p.add_argument("--max-len", "--max_len", dest="max_len", type=int, default=128)
     p.add_argument("--compare-hf", "--compare_hf", dest="compare_hf", action="store_true",
-                   help="also run HF AutoModel + the checkpoint's pooling, as sentence-transformers batches (needs torch)")
+                   help="also run HF AutoModel + the checkpoint's pooling, batched as sentence-transformers does "
+                   "(needs torch)")
     p.add_argument("--hf-batch-size", "--hf_batch_size", dest="hf_batch_size", type=int, default=32,
                    help="HF's batch size (sentence-transformers' default: 32)")
     p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
@@ -96,8 +97,9 @@ def run(ns: argparse.Namespace) -> int:
     if hf is not None:
         result["hf"] = hf
         result["speedup_vs_hf"] = result["embeddings_per_s"] / hf["embeddings_per_s"]
-        print(f"HF AutoModel + pooling (length-sorted batches of {ns.hf_batch_size}): {hf['embeddings_per_s']:.1f} "
-              f"embeddings/s, {hf['tokens_per_s']:.0f} tokens/s -> jaxserve is {result['speedup_vs_hf']:.2f}x")  # fmt: skip
+        print(f"HF AutoModel + pooling (length-sorted batches of {ns.hf_batch_size}): "
+              f"{hf['embeddings_per_s']:.1f} embeddings/s, {hf['tokens_per_s']:.0f} tokens/s -> "
+              f"jaxserve is {result['speedup_vs_hf']:.2f}x")  # fmt: skip
     print(json.dumps(result, indent=1))
     if ns.output_json:
         with open(ns.output_json, "w") as f:

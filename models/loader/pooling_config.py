@@ -19,7 +19,9 @@ _ST_PREFIX = "sentence_transformers.models."
 # The 1_Pooling/config.json flags (and the newer "pooling_mode" names) we implement.
 _MODE_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 _MODE_NAMES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
-_UNSUPPORTED_FLAGS = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_UNSUPPORTED_FLAGS = (
+    "pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,9 @@ TEXTS = ["A serving engine batches requests.", "The quick brown fox jumps over t
 
 @pytest.fixture(scope="module")
 def server():
-    args = EngineArgs(model=minilm_path(), served_model_name="minilm", compilation_cache_dir="", max_num_batched_tokens=256)
+    args = EngineArgs(
+        model=minilm_path(), served_model_name="minilm", compilation_cache_dir="", max_num_batched_tokens=256
+    )
     engine = AsyncLLMEngine.from_engine_args(args, progress=False)
     with ServerThread(engine) as srv:
         yield srv
@@ -49,7 +51,8 @@ def test_base64_decodes_to_the_float_embedding(client):
     raw = client.embeddings.create(model="minilm", input=TEXTS[0], encoding_format="base64").data[0].embedding
     decoded = np.frombuffer(base64.b64decode(raw), dtype="<f4")
     np.testing.assert_allclose(decoded, floats, rtol=1e-6)
-    default = client.embeddings.create(model="minilm", input=TEXTS[0]).data[0].embedding  # the client asks base64 and decodes
+    # Without encoding_format the client asks for base64 and decodes it itself.
+    default = client.embeddings.create(model="minilm", input=TEXTS[0]).data[0].embedding
     np.testing.assert_allclose(default, floats, rtol=1e-6)
 
 
@@ -63,7 +66,9 @@ def test_token_id_inputs(client):
 
 
 def test_truncate_prompt_tokens(client):
-    resp = client.embeddings.create(model="minilm", input="word " * 400, encoding_format="float", extra_body={"truncate_prompt_tokens": -1})
+    resp = client.embeddings.create(
+        model="minilm", input="word " * 400, encoding_format="float", extra_body={"truncate_prompt_tokens": -1}
+    )
     assert resp.usage.prompt_tokens == 256
 
 
