@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -52,6 +53,28 @@ def test_alone_matches_batched(llm, reference):
     for i in range(0, len(texts), 4):  # every 4th alone keeps the test fast; lengths still span the buckets
         got = np.array(llm.embed(texts[i], use_tqdm=False)[0].outputs.embedding)
         assert _cosines(got, reference[i]) >= 0.9999, i
+
+
+_COMPILES: list[str] | None = None
+
+
+def _on_event(name: str, *args, **kwargs) -> None:
+    if _COMPILES is not None and name.startswith("/jax/core/compile/"):
+        _COMPILES.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def test_steady_state_compiles_nothing(llm):
+    """Every token bucket was compiled at start-up: batches of any mix of lengths trace nothing new."""
+    global _COMPILES
+    _COMPILES = events = []
+    try:
+        llm.embed(sentences(20, seed=3) + [" ".join(["word"] * 250)], use_tqdm=False, truncate_prompt_tokens=-1)
+    finally:
+        _COMPILES = None
+    assert events == []
 
 
 def test_truncation_errors_and_truncate_prompt_tokens(llm):
