@@ -2,7 +2,8 @@
 
 The workload is --num-prompts random token-id prompts of --min-len to --max-len tokens (uniform), the same
 for both sides. With --compare-hf, HF transformers' AutoModel plus the checkpoint's pooling runs them as
-sentence-transformers would (jaxserve.bench.hf_embed) in a subprocess first, and the ratio is reported.
+sentence-transformers would (jaxserve.bench.hf_embed) in a subprocess first, and the ratio is reported; for a
+sentence-transformers directory with weights, the library itself runs there too (its own ratio).
 Both sides run in the engine's dtype (float32 on CPU, bfloat16 on accelerators, unless --dtype).
 
     jaxserve bench embed --model DIR [--compare-hf] [--num-prompts 1000 --min-len 8 --max-len 128]
@@ -100,6 +101,12 @@ def run(ns: argparse.Namespace) -> int:
         print(f"HF AutoModel + pooling (length-sorted batches of {ns.hf_batch_size}): "
               f"{hf['embeddings_per_s']:.1f} embeddings/s, {hf['tokens_per_s']:.0f} tokens/s -> "
               f"jaxserve is {result['speedup_vs_hf']:.2f}x")  # fmt: skip
+        st = hf.get("sentence_transformers")
+        if st is not None:
+            result["speedup_vs_sentence_transformers"] = result["embeddings_per_s"] / st["embeddings_per_s"]
+            print(f"sentence-transformers {st['version']} (its modules on the same token ids): "
+                  f"{st['embeddings_per_s']:.1f} embeddings/s, {st['tokens_per_s']:.0f} tokens/s -> "
+                  f"jaxserve is {result['speedup_vs_sentence_transformers']:.2f}x")  # fmt: skip
     print(json.dumps(result, indent=1))
     if ns.output_json:
         with open(ns.output_json, "w") as f:

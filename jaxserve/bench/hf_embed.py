@@ -2,6 +2,10 @@
 computed as sentence-transformers computes it (inputs sorted by length, fixed-size batches each padded to
 its longest input, pooled over the attention mask, L2-normalised), on the same token ids.
 
+When the directory is a sentence-transformers model with real weights and the library is installed, the
+library itself runs too: its module stack (Transformer, Pooling, Normalize) called on the same padded token
+ids, batch by batch, which is what `SentenceTransformer.encode` runs after tokenizing.
+
 Run in a subprocess of its own (torch never shares a process or device memory with JAX). A config-only
 directory (`jaxserve.bench.model_shapes`) gets random weights, as jaxserve's --load-format dummy does.
 Request file: {"model", "batch_size", "dtype", "pooling", "normalize", "prompts": [[ids], ...]}.
@@ -40,6 +44,19 @@ def _load(path: str, dtype, device):
     return AutoModel.from_pretrained(path, dtype=dtype).to(device)
 
 
+def _sentence_transformers(path: str, device):
+    """The library's model of ``path`` when it is a sentence-transformers directory with weights, else None."""
+    if not os.path.isfile(os.path.join(path, "modules.json")):
+        return None
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        return None
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        return None
+    return SentenceTransformer(path, device=str(device)).eval()
+
+
 def main(req_path: str, res_path: str) -> None:
     import torch
     import transformers
@@ -53,10 +70,14 @@ def main(req_path: str, res_path: str) -> None:
     startup_s = time.perf_counter() - t0
     prompts, bs, pooling = spec["prompts"], spec["batch_size"], spec["pooling"]
 
-    def embed(batch: list[list[int]]):
+    def padded(batch: list[list[int]]):
         longest = max(len(p) for p in batch)
         ids = torch.tensor([p + [0] * (longest - len(p)) for p in batch], device=device)
         mask = torch.tensor([[1] * len(p) + [0] * (longest - len(p)) for p in batch], device=device)
+        return ids, mask
+
+    def embed(batch: list[list[int]]):
+        ids, mask = padded(batch)
         hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, D]
         if pooling == "mean":
             m = mask.unsqueeze(-1).to(hidden.dtype)
@@ -68,15 +89,26 @@ def main(req_path: str, res_path: str) -> None:
         return torch.nn.functional.normalize(out, p=2, dim=1) if spec["normalize"] else out
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # sentence-transformers' order
-    with torch.inference_mode():
-        embed([prompts[order[0]][:8]])  # warm-up
-        sync()
-        start = time.perf_counter()
-        for i in range(0, len(order), bs):
-            embed([prompts[j] for j in order[i : i + bs]]).cpu()
-        sync()
-        elapsed = time.perf_counter() - start
+
+    def timed(fn) -> float:
+        with torch.inference_mode():
+            fn([prompts[order[0]][:8]])  # warm-up
+            sync()
+            start = time.perf_counter()
+            for i in range(0, len(order), bs):
+                fn([prompts[j] for j in order[i : i + bs]]).cpu()
+            sync()
+            return time.perf_counter() - start
+
+    elapsed = timed(embed)
     tokens = sum(len(p) for p in prompts)
+    st = _sentence_transformers(spec["model"], device)
+    if st is not None:
+        def st_embed(batch):
+            ids, mask = padded(batch)
+            return st({"input_ids": ids, "attention_mask": mask})["sentence_embedding"]
+
+        st_s = timed(st_embed)
     result = {
         "engine": "hf-transformers-automodel+pooling",
         "transformers": transformers.__version__,
@@ -90,6 +122,13 @@ def main(req_path: str, res_path: str) -> None:
         "embeddings_per_s": len(prompts) / elapsed,
         "tokens_per_s": tokens / elapsed,
     }
+    if st is not None:
+        import sentence_transformers
+
+        result["sentence_transformers"] = {
+            "version": sentence_transformers.__version__, "elapsed_s": st_s,
+            "embeddings_per_s": len(prompts) / st_s, "tokens_per_s": tokens / st_s,
+        }  # fmt: skip
     with open(res_path, "w") as f:
         json.dump(result, f, indent=1)
 
