@@ -18,6 +18,9 @@ from jaxserve.pooling_scheduler import PoolingRequest, PoolingScheduler
 logger = logging.getLogger("jaxserve")
 
 PromptType = Union[str, list[int], dict]
+# The longest default context of a pooling model: a step holds a whole prompt, and its attention mask is dense
+# [T, T] (Qwen3-Embedding-8B declares 40960 positions: a [32, 40960, 40960] score tensor would not fit).
+DEFAULT_MAX_LEN = 8192
 # vLLM's older `task=` spellings and the runner each means (jaxserve.config.TASKS lists the same keys).
 _TASK_RUNNER = {"embed": "pooling", "embedding": "pooling", "generate": "generate", "auto": "auto"}
 
@@ -101,7 +104,12 @@ class PoolingEngine:
         load_s = time.perf_counter() - t0
 
         model_max = em.config.max_position_embeddings
-        default_len = min(model_max, pooling.max_seq_length or model_max)
+        default_len = min(model_max, pooling.max_seq_length or model_max, DEFAULT_MAX_LEN)
+        if args.max_model_len is None and default_len < min(model_max, pooling.max_seq_length or model_max):
+            logger.info(
+                "max_model_len defaults to %d for pooling (the model allows %d; the packed step's attention mask is "
+                "[T, T]): set --max-model-len to embed longer inputs", default_len, model_max,
+            )  # fmt: skip
         max_model_len = args.max_model_len or default_len
         if max_model_len > model_max:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
