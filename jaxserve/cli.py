@@ -33,6 +33,9 @@ _HELP = {
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
     "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",
     "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
+    "runner": "generate (an LM), pooling (embeddings: LLM.embed, /v1/embeddings) or auto (pooling for a "
+    "sentence-transformers, BERT-family or bare *Model decoder checkpoint, else generate)",
+    "task": "vLLM's older spelling of --runner: embed (pooling) or generate",
 }
 
 
