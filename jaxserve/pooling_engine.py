@@ -46,6 +46,32 @@ def resolve_runner(args: EngineArgs) -> str:
     return "pooling" if is_pooling_checkpoint(path) else "generate"
 
 
+def pooling_limits(args: EngineArgs, model_max: int, st_max: Optional[int], platform: str) -> tuple[int, int, int]:
+    """(max_model_len, max_num_batched_tokens, max_num_seqs) of a pooling engine. A prompt runs whole in one
+    step, so the token budget holds a longest prompt: an unset budget grows to max_model_len, an unset
+    max_model_len shrinks to a given budget (and to sentence-transformers' max_seq_length, and to
+    DEFAULT_MAX_LEN); both given and incompatible is an error."""
+    limit = min(model_max, st_max or model_max)
+    given_len, given_budget = args.max_model_len, args.max_num_batched_tokens
+    if given_len is not None and given_len > model_max:
+        raise ValueError(f"max_model_len={given_len} exceeds the model's max_position_embeddings={model_max}")
+    if given_len is not None and given_budget is not None and given_budget < given_len:
+        raise ValueError(
+            f"max_num_batched_tokens={given_budget} is smaller than max_model_len={given_len}; a pooling prompt runs "
+            "whole in one step: raise max_num_batched_tokens or lower max_model_len"
+        )
+    max_len = given_len or min(limit, DEFAULT_MAX_LEN, given_budget or limit)
+    if given_len is None and max_len < limit:
+        logger.info(
+            "max_model_len is %d for pooling (the model allows %d; a prompt runs whole in one step, with a dense "
+            "[T, T] attention mask): set --max-model-len (and --max-num-batched-tokens) for longer inputs",
+            max_len, limit,
+        )  # fmt: skip
+    budget = given_budget or max(256 if platform == "cpu" else 2048, max_len)
+    max_num_seqs = min(args.max_num_seqs or (64 if platform == "cpu" else 256), budget)
+    return max_len, budget, max_num_seqs
+
+
 def encode_text(tokenizer, text: str, keep: Optional[int], add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``; with ``keep``, truncated by the tokenizer itself to ``keep`` tokens (its own side
     and special tokens, as sentence-transformers truncates)."""
@@ -103,20 +129,9 @@ class PoolingEngine:
         tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
         load_s = time.perf_counter() - t0
 
-        model_max = em.config.max_position_embeddings
-        default_len = min(model_max, pooling.max_seq_length or model_max, DEFAULT_MAX_LEN)
-        if args.max_model_len is None and default_len < min(model_max, pooling.max_seq_length or model_max):
-            logger.info(
-                "max_model_len defaults to %d for pooling (the model allows %d; the packed step's attention mask is "
-                "[T, T]): set --max-model-len to embed longer inputs", default_len, model_max,
-            )  # fmt: skip
-        max_model_len = args.max_model_len or default_len
-        if max_model_len > model_max:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
-        budget = args.max_num_batched_tokens or (256 if platform == "cpu" else 2048)
-        # A pooling prompt runs whole in one step: the budget holds at least one longest prompt.
-        budget = max(budget, max_model_len)
-        max_num_seqs = min(args.max_num_seqs or (64 if platform == "cpu" else 256), budget)
+        max_model_len, budget, max_num_seqs = pooling_limits(
+            args, em.config.max_position_embeddings, pooling.max_seq_length, platform
+        )
         served = args.served_model_name or _default_served_name(args.model, path)
         model_config = ModelConfig(path, fmt, served, dtype, max_model_len, args.seed, args.fp32_matmul_precision)
         scheduler_config = SchedulerConfig(max_num_seqs, budget, max_model_len, False, 0)

@@ -1,8 +1,8 @@
 """Batches embedding requests: prefill-only, so a request runs in exactly one step and needs no KV blocks.
 
 It keeps the generate scheduler's limits (``max_num_batched_tokens``, ``max_num_seqs``) and its order
-(first come, first served); a whole prompt always fits one step because the engine raises the token budget
-to max_model_len. No JAX here.
+(first come, first served); a whole prompt always fits one step because the engine keeps max_model_len within
+the token budget (``pooling_engine.pooling_limits``). No JAX here.
 """
 
 from __future__ import annotations

@@ -36,3 +36,20 @@ def test_a_prompt_over_the_budget_is_refused():
 def test_pooling_params_name_the_bad_field(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         PoolingParams(**kwargs)
+
+
+def test_pooling_limits_keep_a_whole_prompt_in_one_step():
+    from jaxserve.config import EngineArgs
+    from jaxserve.pooling_engine import pooling_limits
+
+    def limits(st_max=None, model_max=512, platform="cpu", **kw):
+        return pooling_limits(EngineArgs(**kw), model_max, st_max, platform)
+
+    assert limits(st_max=256) == (256, 256, 64)  # all-MiniLM-L6-v2 on CPU
+    assert limits(model_max=40960, platform="gpu") == (8192, 8192, 256)  # Qwen3-Embedding: capped
+    assert limits(model_max=40960, platform="gpu", max_num_batched_tokens=2048) == (2048, 2048, 256)
+    assert limits(max_model_len=512, max_num_seqs=8) == (512, 512, 8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=128 is smaller than max_model_len=512"):
+        limits(max_model_len=512, max_num_batched_tokens=128)
+    with pytest.raises(ValueError, match="max_model_len=1024 exceeds the model's max_position_embeddings=512"):
+        limits(max_model_len=1024)
