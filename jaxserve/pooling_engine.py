@@ -54,7 +54,9 @@ def pooling_limits(args: EngineArgs, model_max: int, st_max: Optional[int], plat
     limit = min(model_max, st_max or model_max)
     given_len, given_budget = args.max_model_len, args.max_num_batched_tokens
     if given_len is not None and given_len > model_max:
-        raise ValueError(f"max_model_len={given_len} exceeds the model's max_position_embeddings={model_max}")
+        raise ValueError(
+            f"max_model_len={given_len} exceeds the {model_max} positions the model takes; use at most {model_max}"
+        )
     if given_len is not None and given_budget is not None and given_budget < given_len:
         raise ValueError(
             f"max_num_batched_tokens={given_budget} is smaller than max_model_len={given_len}; a pooling prompt runs "
@@ -130,7 +132,7 @@ class PoolingEngine:
         load_s = time.perf_counter() - t0
 
         max_model_len, budget, max_num_seqs = pooling_limits(
-            args, em.config.max_position_embeddings, pooling.max_seq_length, platform
+            args, em.max_len, pooling.max_seq_length, platform
         )
         served = args.served_model_name or _default_served_name(args.model, path)
         model_config = ModelConfig(path, fmt, served, dtype, max_model_len, args.seed, args.fp32_matmul_precision)

@@ -1,5 +1,6 @@
-"""BERT-family encoders (BERT, MiniLM, BGE, E5, GTE-base...) for embeddings: absolute learned positions,
-token-type embeddings, post-norm residual blocks and a GELU MLP, with bidirectional attention.
+"""BERT-family encoders (BERT, MiniLM, BGE, E5, GTE-base...; RoBERTa and XLM-R: multilingual-e5, BGE-M3) for
+embeddings: absolute learned positions, token-type embeddings, post-norm residual blocks and a GELU MLP, with
+bidirectional attention. RoBERTa differs only in where positions start (after its padding id).
 
 The model runs on a flat packed batch, as the decoder does: ``T`` tokens of ``S`` sequences laid end to
 end, with ``seq_ids[T]`` saying which sequence each token belongs to. Attention is masked to the token's
@@ -20,9 +21,15 @@ from flax import nnx
 from jaxserve.models.layers import Embed, Linear, _param
 from jaxserve.pallas_kernels.precision import matmul_precision
 
-ENCODER_MODEL_TYPES = ("bert",)
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 # HF class names, for the runner picked from a checkpoint (`runner="auto"`).
-ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
+ENCODER_ARCHITECTURES = (
+    "BertModel", "BertForMaskedLM", "BertForPreTraining", "RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel",
+    "XLMRobertaForMaskedLM",
+)
+# RoBERTa numbers positions from padding_idx + 1 (HF's create_position_ids_from_input_ids, for inputs
+# without padding tokens inside them).
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta")
 _GELU_EXACT = ("gelu",)
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -42,6 +49,7 @@ class EncoderConfig:
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
     pad_token_id: int = 0
+    position_offset: int = 0  # added to each token's position: pad_token_id + 1 for RoBERTa, 0 for BERT
     checkpoint_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()  # none: an encoder never stops; kept for the engines' shared code
 
@@ -57,6 +65,11 @@ class EncoderConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def max_len(self) -> int:
+        """The longest input the position table covers."""
+        return self.max_position_embeddings - self.position_offset
+
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> "EncoderConfig":
         model_type = d.get("model_type")
@@ -67,6 +80,7 @@ class EncoderConfig:
                 f"position_embedding_type={d['position_embedding_type']!r} is not supported; only 'absolute' is"
             )
         dtype = d.get("torch_dtype") or d.get("dtype")
+        pad = int(d.get("pad_token_id") or 0)
         return cls(
             architecture=model_type,
             vocab_size=int(d["vocab_size"]),
@@ -78,7 +92,8 @@ class EncoderConfig:
             type_vocab_size=int(d.get("type_vocab_size", 2)),
             layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
             hidden_act=d.get("hidden_act", "gelu"),
-            pad_token_id=int(d.get("pad_token_id") or 0),
+            pad_token_id=pad,
+            position_offset=pad + 1 if model_type in _OFFSET_POSITIONS else 0,
             checkpoint_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
         )
 
@@ -182,9 +197,11 @@ class BertEmbeddings(nnx.Module):
         self.position_embeddings = Embed(cfg.max_position_embeddings, cfg.hidden_size, **kw)
         self.token_type_embeddings = Embed(cfg.type_vocab_size, cfg.hidden_size, **kw)
         self.LayerNorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, param_dtype=param_dtype)
+        self.position_offset = cfg.position_offset
 
     def __call__(self, ids: jax.Array, type_ids: jax.Array, positions: jax.Array) -> jax.Array:  # [T] x3 -> [T, D]
-        x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings(type_ids)
+        pos = self.position_embeddings(positions + self.position_offset)
+        x = self.word_embeddings(ids) + pos + self.token_type_embeddings(type_ids)
         return self.LayerNorm(x)
 
 

@@ -4,7 +4,7 @@ Both come back with a ``hidden_states(ids, type_ids, positions, seq_ids)`` view 
 the pooling runner never asks which kind it holds.
 
 Checkpoint names vary more for embedders than for LMs: sentence-transformers saves a bare ``BertModel``
-(``embeddings.*``) while a ``BertForMaskedLM`` prefixes ``bert.``; old BERT checkpoints name LayerNorm
+(``embeddings.*``) while a ``BertForMaskedLM`` prefixes ``bert.`` (``roberta.`` for RoBERTa); old BERT checkpoints name LayerNorm
 parameters ``gamma``/``beta``; a bare decoder (``Qwen3Model``, ``MistralModel``) has no ``model.`` prefix
 and no LM head. ``_Renamed`` maps them all onto the module paths, so the generic loader does the rest.
 """
@@ -25,8 +25,8 @@ from jaxserve.models.bert import ENCODER_MODEL_TYPES, BertModel, EncoderConfig
 from jaxserve.models.packed_attention import packed_causal_attention
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 
-# Encoder tensors the embedding never uses (the NSP pooler, MLM heads, a saved position-id buffer).
-_ENCODER_UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
+# Encoder tensors the embedding never uses (the NSP pooler, MLM heads, saved position-id buffers).
+_ENCODER_UNUSED = ("pooler.", "cls.", "lm_head.", "embeddings.position_ids", "embeddings.token_type_ids")
 
 
 def checkpoint_is_encoder(path: str) -> bool:
@@ -48,6 +48,11 @@ class EmbeddingModel:
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
+
+    @property
+    def max_len(self) -> int:
+        """The longest input the model takes (an encoder's position table, a decoder's context)."""
+        return self.config.max_len if self.is_encoder else self.config.max_position_embeddings
 
 
 def hidden_states(
@@ -101,7 +106,8 @@ def _load_encoder_weights(path, cfg, dtype, fp32_matmul_precision, progress) -> 
 
 
 def _encoder_name(name: str) -> str | None:
-    name = name.removeprefix("bert.")
+    for prefix in ("bert.", "roberta."):
+        name = name.removeprefix(prefix)
     if name.startswith(_ENCODER_UNUSED):
         return None
     if name.endswith(".gamma"):

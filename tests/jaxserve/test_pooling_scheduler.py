@@ -51,5 +51,5 @@ def test_pooling_limits_keep_a_whole_prompt_in_one_step():
     assert limits(max_model_len=512, max_num_seqs=8) == (512, 512, 8)
     with pytest.raises(ValueError, match="max_num_batched_tokens=128 is smaller than max_model_len=512"):
         limits(max_model_len=512, max_num_batched_tokens=128)
-    with pytest.raises(ValueError, match="max_model_len=1024 exceeds the model's max_position_embeddings=512"):
+    with pytest.raises(ValueError, match="max_model_len=1024 exceeds the 512 positions the model takes"):
         limits(max_model_len=1024)
