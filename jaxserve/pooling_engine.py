@@ -46,11 +46,16 @@ def resolve_runner(args: EngineArgs) -> str:
     return "pooling" if is_pooling_checkpoint(path) else "generate"
 
 
-def pooling_limits(args: EngineArgs, model_max: int, st_max: Optional[int], platform: str) -> tuple[int, int, int]:
-    """(max_model_len, max_num_batched_tokens, max_num_seqs) of a pooling engine. A prompt runs whole in one
-    step, so the token budget holds a longest prompt: an unset budget grows to max_model_len, an unset
-    max_model_len shrinks to a given budget (and to sentence-transformers' max_seq_length, and to
-    DEFAULT_MAX_LEN); both given and incompatible is an error."""
+def pooling_limits(
+    args: EngineArgs, model_max: int, st_max: Optional[int], platform: str
+) -> tuple[int, int, int, int]:
+    """(max_model_len, max_num_batched_tokens, max_num_seqs, row_len) of a pooling engine.
+
+    A prompt runs whole in one step, so the token budget holds a longest prompt: an unset budget grows to
+    max_model_len, an unset max_model_len shrinks to a given budget (and to sentence-transformers'
+    max_seq_length, and to DEFAULT_MAX_LEN); both given and incompatible is an error. Attention runs in rows
+    of ``row_len``, the power of two >= max_model_len; a budget above it is rounded down to whole rows (a budget
+    up to it is one row)."""
     limit = min(model_max, st_max or model_max)
     given_len, given_budget = args.max_model_len, args.max_num_batched_tokens
     if given_len is not None and given_len > model_max:
@@ -70,8 +75,12 @@ def pooling_limits(args: EngineArgs, model_max: int, st_max: Optional[int], plat
             max_len, limit,
         )  # fmt: skip
     budget = given_budget or max(256 if platform == "cpu" else 2048, max_len)
+    row_len = 1 << (max_len - 1).bit_length()
+    if budget <= row_len:
+        row_len = budget
+    budget -= budget % row_len
     max_num_seqs = min(args.max_num_seqs or (64 if platform == "cpu" else 256), budget)
-    return max_len, budget, max_num_seqs
+    return max_len, budget, max_num_seqs, row_len
 
 
 def encode_text(tokenizer, text: str, keep: Optional[int], add_special_tokens: bool = True) -> list[int]:
@@ -87,7 +96,9 @@ class PoolingEngine:
 
     is_pooling = True
 
-    def __init__(self, args, model_config, scheduler_config, tokenizer, runner, vocab_size: int, compile_s: float):
+    def __init__(
+        self, args, model_config, scheduler_config, tokenizer, runner, vocab_size: int, compile_s: float, row_len: int
+    ):  # fmt: skip
         self.args = args
         self.model_config = model_config
         self.scheduler_config = scheduler_config
@@ -95,7 +106,10 @@ class PoolingEngine:
         self.runner = runner
         self.pooling = runner.pooling
         self.vocab_size = vocab_size
-        self.scheduler = PoolingScheduler(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+        self.row_len = row_len
+        self.scheduler = PoolingScheduler(
+            scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens, row_len
+        )
         self._in_flight = None  # (requests, handle): dispatched, not yet read back
         self.num_prompt_tokens = 0
         self.compile_s = compile_s
@@ -108,7 +122,7 @@ class PoolingEngine:
             _default_served_name, _tokenizer_or_none, current_platform, enable_compilation_cache, serving_dtype,
         )  # fmt: skip
         from jaxserve.model_loader import resolve_model_path
-        from jaxserve.models.loader.embedding import load_embedding_model
+        from jaxserve.models.loader.embedding import load_embedding_model, max_input_len, read_embedding_config
         from jaxserve.models.loader.pooling_config import read_pooling_config
         from jaxserve.pooling_runner import PoolingRunner
 
@@ -123,17 +137,17 @@ class PoolingEngine:
         path, fmt = resolve_model_path(args.model, args.load_format)
         dtype = serving_dtype(args.dtype, platform)
         t0 = time.perf_counter()
+        cfg, is_encoder = read_embedding_config(path)
+        pooling = read_pooling_config(path, is_encoder=is_encoder)
+        max_model_len, budget, max_num_seqs, row_len = pooling_limits(
+            args, max_input_len(cfg, is_encoder), pooling.max_seq_length, platform
+        )
         em = load_embedding_model(
             path, fmt, dtype=jnp.dtype(dtype), seed=args.seed, fp32_matmul_precision=args.fp32_matmul_precision,
-            progress=progress,
+            progress=progress, row_len=row_len,
         )  # fmt: skip
-        pooling = read_pooling_config(path, is_encoder=em.is_encoder)
         tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
         load_s = time.perf_counter() - t0
-
-        max_model_len, budget, max_num_seqs = pooling_limits(
-            args, em.max_len, pooling.max_seq_length, platform
-        )
         served = args.served_model_name or _default_served_name(args.model, path)
         model_config = ModelConfig(path, fmt, served, dtype, max_model_len, args.seed, args.fp32_matmul_precision)
         scheduler_config = SchedulerConfig(max_num_seqs, budget, max_model_len, False, 0)
@@ -146,7 +160,7 @@ class PoolingEngine:
             served, "encoder" if em.is_encoder else "decoder", dtype, pooling.pooling_type,
             ", normalized" if pooling.normalize else "", load_s, len(runner.compiled_shapes), compile_s,
         )  # fmt: skip
-        return cls(args, model_config, scheduler_config, tokenizer, runner, em.config.vocab_size, compile_s)
+        return cls(args, model_config, scheduler_config, tokenizer, runner, em.config.vocab_size, compile_s, row_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -242,8 +256,8 @@ class PoolingEngine:
         batch = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
         if batch:
-            self._in_flight = (batch, self.runner.dispatch([r.prompt_token_ids for r in batch]))
-            self.num_prompt_tokens += sum(len(r.prompt_token_ids) for r in batch)
+            self._in_flight = ([r for r, _ in batch], self.runner.dispatch([(r.prompt_token_ids, at) for r, at in batch]))
+            self.num_prompt_tokens += sum(len(r.prompt_token_ids) for r, _ in batch)
         outputs = self._finish(*previous) if previous is not None else []
         if not self.args.async_scheduling and self._in_flight is not None:
             outputs += self._finish(*self._in_flight)
@@ -283,6 +297,7 @@ class PoolingEngine:
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
             "token_buckets": self.runner.token_buckets,
+            "attention_row_len": self.row_len,
             "compiled_step_shapes": len(self.runner.compiled_shapes),
             "async_scheduling": self.args.async_scheduling,
             "tensor_parallel_size": 1,

@@ -1,9 +1,10 @@
 """The pooling runner: packs a step's prompts into one flat batch, runs the model, pools on the device.
 
-A step is T flat tokens of S sequences laid end to end (no padding between sequences), T padded to the
-same power-of-two token buckets as the generate runner and S tied to T (``buckets.seq_bucket_for``), so
-the number of compiled shapes is the number of token buckets. Attention is masked to each token's own
-sequence (bidirectional for encoders, causal for decoders) and no KV cache exists. The step returns the
+A step is T flat tokens of S sequences, placed by the scheduler in rows of R tokens (each prompt whole in
+one row, end to end with the others there), T padded to the same power-of-two token buckets as the generate
+runner and S tied to T (``buckets.seq_bucket_for``), so the number of compiled shapes is the number of token
+buckets. Attention runs per row, masked to each token's own sequence (bidirectional for encoders, causal for
+decoders); no KV cache exists. The step returns the
 pooled vector of every sequence, [S, D] float32: one device-to-host copy of S * D floats, never the [T, D]
 hidden states. Truncation to Matryoshka ``dimensions`` and L2 normalisation are per request, on the host.
 """
@@ -56,6 +57,7 @@ class PoolingRunner:
         self, em: EmbeddingModel, pooling: PoolingConfig, *, max_num_batched_tokens: int, max_num_seqs: int,
         precompile: str = "all",
     ):  # fmt: skip
+        """``em`` was built with the row length the scheduler packs to (a bucket >= it is a multiple of it)."""
         self.pooling = pooling
         self.hidden_size = em.hidden_size
         self.max_num_seqs = max_num_seqs
@@ -84,24 +86,23 @@ class PoolingRunner:
     def compiled_shapes(self) -> list[int]:
         return sorted(self._compiled)
 
-    def dispatch(self, prompts: list[list[int]]) -> PoolingHandle:
-        """Launch one step over ``prompts`` (their total length within the budget); returns at once."""
-        n = sum(len(p) for p in prompts)
-        t = buckets.pick(self.token_buckets, n)
+    def dispatch(self, prompts: list[tuple[list[int], int]]) -> PoolingHandle:
+        """Launch one step over ``prompts``, (token ids, flat index of the first) as the scheduler placed them;
+        returns at once."""
+        end = max(start + len(ids) for ids, start in prompts)
+        t = buckets.pick(self.token_buckets, end)
         s = buckets.seq_bucket_for(t, self.max_num_seqs)
         if len(prompts) > s:
             raise ValueError(f"{len(prompts)} prompts exceed the {s} sequences of token bucket {t}")
         tokens = np.zeros((4, t), np.int32)
         tokens[3] = s  # padding: a sequence id of its own, out of range for the pooled rows
         seqs = np.zeros((3, s), np.int32)
-        at = 0
-        for i, ids in enumerate(prompts):
+        for i, (ids, at) in enumerate(prompts):
             k = len(ids)
             tokens[0, at : at + k] = ids
             tokens[2, at : at + k] = np.arange(k)
             tokens[3, at : at + k] = i
             seqs[:, i] = (at, at + k - 1, k)
-            at += k
         step = self._compiled.get(t)
         if step is None:
             if self.precompile != "none":

@@ -3,9 +3,10 @@ embeddings: absolute learned positions, token-type embeddings, post-norm residua
 bidirectional attention. RoBERTa differs only in where positions start (after its padding id).
 
 The model runs on a flat packed batch, as the decoder does: ``T`` tokens of ``S`` sequences laid end to
-end, with ``seq_ids[T]`` saying which sequence each token belongs to. Attention is masked to the token's
-own sequence (so packing never mixes sentences) and needs no KV cache: an encoder sees its whole input
-in one step and is done. Module attribute names follow the Hugging Face checkpoint
+end, with ``seq_ids[T]`` saying which sequence each token belongs to. The tokens come in rows of
+``row_len`` (no sequence crosses a row: the scheduler packs them so), and attention runs within each row,
+masked to the token's own sequence (so packing never mixes sentences): [T/R, R, R] scores rather than
+[T, T]. No KV cache: an encoder sees its whole input in one step and is done. Module attribute names follow the Hugging Face checkpoint
 (``encoder.layer.0.attention.self.query``), so the generic weight loader maps names mechanically.
 """
 
@@ -114,9 +115,10 @@ class LayerNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def packed_attention_scores_mask(seq_ids: jax.Array) -> jax.Array:  # [T] -> [T, T] bool
-    """Token i may attend to token j when both belong to the same sequence (padding has its own id)."""
-    return seq_ids[:, None] == seq_ids[None, :]
+def row_mask(seq_ids: jax.Array, row_len: int) -> jax.Array:  # [T] -> [N, R, R] bool, N = T // R
+    """Token i may attend to token j of its row when both belong to the same sequence (padding has its own id)."""
+    rows = seq_ids.reshape(-1, row_len)  # [N, R]
+    return rows[:, :, None] == rows[:, None, :]
 
 
 class BertSelfAttention(nnx.Module):
@@ -129,14 +131,14 @@ class BertSelfAttention(nnx.Module):
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.precision = precision
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:  # x [T, D], mask [T, T] -> [T, D]
-        t = x.shape[0]
-        shape = (t, self.num_heads, self.head_dim)
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:  # x [T, D], mask [N, R, R] -> [T, D]
+        t, (n, r, _) = x.shape[0], mask.shape
+        shape = (n, r, self.num_heads, self.head_dim)
         q, k, v = self.query(x).reshape(shape), self.key(x).reshape(shape), self.value(x).reshape(shape)
-        scores = jnp.einsum("thd,shd->hts", q, k, precision=self.precision, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[None], scores * self.head_dim**-0.5, -jnp.inf)  # [H, T, T]
+        scores = jnp.einsum("nthd,nshd->nhts", q, k, precision=self.precision, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, None], scores * self.head_dim**-0.5, -jnp.inf)  # [N, H, R, R]
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("hts,shd->thd", probs, v, precision=self.precision)  # [T, H, Dh]
+        out = jnp.einsum("nhts,nshd->nthd", probs, v, precision=self.precision)  # [N, R, H, Dh]
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -216,8 +218,12 @@ class BertModel(nnx.Module):
     Every matmul runs at ``matmul_precision(dtype, fp32_matmul_precision)``, as in the decoder models.
     """
 
-    def __init__(self, cfg: EncoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs, fp32_matmul_precision="highest"):
+    def __init__(
+        self, cfg: EncoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs, fp32_matmul_precision="highest",
+        row_len: int | None = None,
+    ):  # fmt: skip
         self.config = cfg
+        self.row_len = row_len  # attention rows of at most this many tokens; None: one row of the whole batch
         precision = matmul_precision(dtype, fp32_matmul_precision)
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.embeddings = BertEmbeddings(cfg, **kw)
@@ -230,7 +236,8 @@ class BertModel(nnx.Module):
         positions: jax.Array,  # [T] int32, from 0 in each sequence
         seq_ids: jax.Array,  # [T] int32: the sequence of each token; padding tokens share an id of their own
     ) -> jax.Array:  # hidden [T, D]
-        mask = packed_attention_scores_mask(seq_ids)  # [T, T]
+        t = input_ids.shape[0]
+        mask = row_mask(seq_ids, min(t, self.row_len or t))  # [N, R, R]
         x = self.embeddings(input_ids, type_ids, positions)
         for layer in self.encoder.layer:
             x = layer(x, mask)

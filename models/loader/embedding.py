@@ -12,6 +12,7 @@ and no LM head. ``_Renamed`` maps them all onto the module paths, so the generic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Iterator, Mapping
@@ -51,8 +52,7 @@ class EmbeddingModel:
 
     @property
     def max_len(self) -> int:
-        """The longest input the model takes (an encoder's position table, a decoder's context)."""
-        return self.config.max_len if self.is_encoder else self.config.max_position_embeddings
+        return max_input_len(self.config, self.is_encoder)
 
 
 def hidden_states(
@@ -75,32 +75,45 @@ def hidden_states(
     return hidden
 
 
-def load_embedding_model(
-    path: str, fmt: str, *, dtype, seed: int = 0, fp32_matmul_precision: str = "highest", progress: bool = False
-) -> EmbeddingModel:
-    """Build the embedding model of ``path`` (format "safetensors", "dummy", or for decoders "gguf"/"orbax")."""
+def read_embedding_config(path: str) -> tuple[Any, bool]:
+    """(EncoderConfig or TextModelConfig, is_encoder), from config.json alone."""
     if checkpoint_is_encoder(path):
         with open(os.path.join(path, "config.json")) as f:
-            cfg = EncoderConfig.from_hf_config(json.load(f))
+            return EncoderConfig.from_hf_config(json.load(f)), True
+    from jaxserve.model_loader import read_text_config
+
+    return read_text_config(path), False
+
+
+def max_input_len(cfg: Any, is_encoder: bool) -> int:
+    """The longest input the model takes (an encoder's position table, a decoder's context)."""
+    return cfg.max_len if is_encoder else cfg.max_position_embeddings
+
+
+def load_embedding_model(
+    path: str, fmt: str, *, dtype, seed: int = 0, fp32_matmul_precision: str = "highest", progress: bool = False,
+    row_len: int | None = None,
+) -> EmbeddingModel:  # fmt: skip
+    """Build the embedding model of ``path`` (format "safetensors", "dummy", or for decoders "gguf"/"orbax").
+    ``row_len``: attention runs in rows of this many packed tokens (see jaxserve.pooling_scheduler)."""
+    cfg, is_encoder = read_embedding_config(path)
+    if is_encoder:
+        kw = dict(dtype=dtype, param_dtype=dtype, fp32_matmul_precision=fp32_matmul_precision, row_len=row_len)
         if fmt == "dummy":
-            model = BertModel(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed),
-                              fp32_matmul_precision=fp32_matmul_precision)  # fmt: skip
+            model = BertModel(cfg, rngs=nnx.Rngs(seed), **kw)
         elif fmt == "safetensors":
-            model = _load_encoder_weights(path, cfg, dtype, fp32_matmul_precision, progress)
+            model = _load_encoder_weights(path, cfg, kw, progress)
         else:
             raise ValueError(f"an encoder loads from safetensors (or load_format='dummy'), not {fmt!r}")
         return EmbeddingModel(model, cfg, True)
-    return _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress)
+    return _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress, row_len)
 
 
-def _load_encoder_weights(path, cfg, dtype, fp32_matmul_precision, progress) -> BertModel:
+def _load_encoder_weights(path, cfg, kw, progress) -> BertModel:
     from jaxserve.models.loader.hf import SafetensorsCheckpoint
     from jaxserve.models.loader.weights import load_weights
 
-    abstract = nnx.eval_shape(
-        lambda: BertModel(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0),
-                          fp32_matmul_precision=fp32_matmul_precision)
-    )  # fmt: skip
+    abstract = nnx.eval_shape(lambda: BertModel(cfg, rngs=nnx.Rngs(0), **kw))
     with SafetensorsCheckpoint(path) as ckpt:
         return load_weights(abstract, _Renamed(ckpt, _encoder_name), tied_embeddings=False, progress=progress)
 
@@ -123,14 +136,15 @@ def _decoder_name(name: str) -> str | None:
     return name if name.startswith("model.") else "model." + name
 
 
-def _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress) -> EmbeddingModel:
+def _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress, row_len) -> EmbeddingModel:
     from jaxserve.model_loader import load_model, read_text_config
 
     cfg = read_text_config(path)
+    attention_fn = functools.partial(packed_causal_attention, row_len=row_len)
     # Tied: the model builds no lm_head, so a bare decoder checkpoint (no head) loads, and a causal LM's
     # head is skipped. Pooling never reads logits.
     cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-    kw = dict(dtype=jnp.dtype(dtype), attention_fn=packed_causal_attention, fp32_matmul_precision=fp32_matmul_precision,
+    kw = dict(dtype=jnp.dtype(dtype), attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision,
               progress=progress)  # fmt: skip
     if fmt == "safetensors":
         from jaxserve.models.loader.hf import SafetensorsCheckpoint

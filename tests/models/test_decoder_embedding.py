@@ -50,9 +50,11 @@ def test_last_token_pooling_equals_hf(tmp_path, kind):
     else:
         path = make_tiny_checkpoint(tmp_path / "llama", "llama")
         kwargs = {"task": "embed"}  # vLLM's older spelling of runner="pooling"
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=128, compilation_cache_dir="", precompile="none",
-              use_tqdm_on_load=False, **kwargs)  # fmt: skip
-    assert llm.llm_engine.info()["pooling_type"] == "last"
+    # Rows of 64 tokens, four to a step: the prompts share rows and attention stays within each row.
+    llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_batched_tokens=256, compilation_cache_dir="",
+              precompile="none", use_tqdm_on_load=False, **kwargs)  # fmt: skip
+    info = llm.llm_engine.info()
+    assert (info["pooling_type"], info["attention_row_len"]) == ("last", 64)
     raw = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], PoolingParams(normalize=False), use_tqdm=False)
     normed = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
     for ids, r, n in zip(PROMPTS, raw, normed):
