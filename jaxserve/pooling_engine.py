@@ -18,8 +18,9 @@ from jaxserve.pooling_scheduler import PoolingRequest, PoolingScheduler
 logger = logging.getLogger("jaxserve")
 
 PromptType = Union[str, list[int], dict]
-# The longest default context of a pooling model: a step holds a whole prompt, and its attention mask is dense
-# [T, T] (Qwen3-Embedding-8B declares 40960 positions: a [32, 40960, 40960] score tensor would not fit).
+# The longest default context of a pooling model: a step holds a whole prompt, and attention runs over rows of
+# max_model_len rounded up to a power of two (Qwen3-Embedding-8B declares 40960 positions: one row of 65536
+# would take a [32, 65536, 65536] score tensor).
 DEFAULT_MAX_LEN = 8192
 # vLLM's older `task=` spellings and the runner each means (jaxserve.config.TASKS lists the same keys).
 _TASK_RUNNER = {"embed": "pooling", "embedding": "pooling", "generate": "generate", "auto": "auto"}
@@ -70,8 +71,8 @@ def pooling_limits(
     max_len = given_len or min(limit, DEFAULT_MAX_LEN, given_budget or limit)
     if given_len is None and max_len < limit:
         logger.info(
-            "max_model_len is %d for pooling (the model allows %d; a prompt runs whole in one step, with a dense "
-            "[T, T] attention mask): set --max-model-len (and --max-num-batched-tokens) for longer inputs",
+            "max_model_len is %d for pooling (the model allows %d; a prompt runs whole in one step, with attention "
+            "over rows of that length): set --max-model-len (and --max-num-batched-tokens) for longer inputs",
             max_len, limit,
         )  # fmt: skip
     budget = given_budget or max(256 if platform == "cpu" else 2048, max_len)

@@ -6,8 +6,9 @@ The model runs on a flat packed batch, as the decoder does: ``T`` tokens of ``S`
 end, with ``seq_ids[T]`` saying which sequence each token belongs to. The tokens come in rows of
 ``row_len`` (no sequence crosses a row: the scheduler packs them so), and attention runs within each row,
 masked to the token's own sequence (so packing never mixes sentences): [T/R, R, R] scores rather than
-[T, T]. No KV cache: an encoder sees its whole input in one step and is done. Module attribute names follow the Hugging Face checkpoint
-(``encoder.layer.0.attention.self.query``), so the generic weight loader maps names mechanically.
+[T, T]. No KV cache: an encoder sees its whole input in one step and is done. Module attribute names
+follow the Hugging Face checkpoint (``encoder.layer.0.attention.self.query``), so the generic weight loader
+maps names mechanically.
 """
 
 from __future__ import annotations
