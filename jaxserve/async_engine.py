@@ -296,6 +296,9 @@ class AsyncLLMEngine:
         timing = self._timings.get(out.request_id)
         if timing is None:
             return
+        if getattr(out, "is_pooling", False):  # an embedding: no tokens to count, finished in one step
+            self._timings.pop(out.request_id, None)
+            return
         try:
             for i, comp in enumerate(out.outputs[: len(timing.num_tokens)]):
                 new = len(comp.token_ids) - timing.num_tokens[i]

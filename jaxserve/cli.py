@@ -33,6 +33,9 @@ _HELP = {
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
     "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",
     "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
+    "runner": "generate (an LM), pooling (embeddings: LLM.embed, /v1/embeddings) or auto (pooling for a "
+    "sentence-transformers, BERT-family or bare *Model decoder checkpoint, else generate)",
+    "task": "vLLM's older spelling of --runner: embed (pooling) or generate",
 }
 
 
@@ -115,11 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.bench import ablation, latency, load, suite, sweep, throughput
+    from jaxserve.bench import ablation, embed, latency, load, suite, sweep, throughput
 
-    for bench_module in (throughput, latency, ablation, sweep, suite, load):
+    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed):
         bench_module.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve

@@ -18,6 +18,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
 FP32_MATMUL_PRECISIONS = ("highest", "tf32")
 # Which step shapes compile at start-up (the rest compile on first use): see jaxserve.buckets.startup_shapes.
 PRECOMPILE = ("auto", "all", "common", "none")
+RUNNERS = ("auto", "generate", "pooling")
+TASKS = ("auto", "generate", "embed", "embedding")
 
 
 @dataclasses.dataclass
@@ -58,6 +60,10 @@ class EngineArgs:
     trust_remote_code: bool = False
     enable_lora: bool = False
     disable_log_stats: bool = False
+    # Which runner serves the model: generate (an LM), pooling (embeddings), auto (from the checkpoint: a
+    # sentence-transformers directory, a BERT-family encoder or a bare *Model decoder is pooling).
+    runner: str = "auto"
+    task: Optional[str] = None  # vLLM's older spelling: "embed" means runner="pooling", "generate" generate
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -111,6 +117,10 @@ class EngineArgs:
             raise bad("enable_lora", "LoRA serving is not implemented yet; leave it off")
         if self.trust_remote_code:
             raise bad("trust_remote_code", "jaxserve runs only its own model code; leave it False")
+        if self.runner not in RUNNERS:
+            raise bad("runner", f"choose one of {RUNNERS}")
+        if self.task is not None and self.task not in TASKS:
+            raise bad("task", f"choose one of {TASKS} (or set runner= instead)")
         if self.max_logprobs < 0 or self.max_logprobs > 20:
             raise bad("max_logprobs", "must be in [0, 20]")
 

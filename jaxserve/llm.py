@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Optional, Sequence, Union
 
@@ -10,6 +11,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineArgs
 from jaxserve.llm_engine import LLMEngine, PromptType
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling_params import EmbeddingRequestOutput, PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -43,11 +45,12 @@ class LLM:
         one SamplingParams for all, or a list with one per prompt. A bad prompt raises ValueError before any
         request is queued, so nothing half-runs.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        if getattr(self.llm_engine, "is_pooling", False):
+            raise ValueError(
+                f"{self.engine_args.model} runs as an embedding model (runner='pooling'), which cannot generate "
+                "text: call LLM.embed(), or load a generative model (runner='generate')"
+            )
+        prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -74,6 +77,40 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         for rid, p, sp in zip(ids, tokenized, params):
             engine.add_request(rid, p, sp)
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams] = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order: ``out.outputs.embedding`` (a list of floats).
+
+        Needs an embedding model (``runner="pooling"``, or any embedding checkpoint with the default
+        ``runner="auto"``). ``truncate_prompt_tokens`` is a shortcut for the PoolingParams field.
+        """
+        engine = self.llm_engine
+        if not getattr(engine, "is_pooling", False):
+            raise ValueError(
+                f"{self.engine_args.model or 'the default model'} runs as a generative model, which does not embed: "
+                "load an embedding model, or pass runner='pooling' (task='embed') to pool this one's hidden states"
+            )
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        tokenized = []
+        for i, p in enumerate(_as_list(prompts)):  # validate everything before queueing anything
+            try:
+                text, ids = engine.tokenize_prompt(p, params)
+                engine.validate_prompt(ids, params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+        ids = [str(next(self._ids)) for _ in tokenized]
+        for rid, p in zip(ids, tokenized):
+            engine.add_request(rid, {"prompt_token_ids": p["prompt_token_ids"], "prompt": p["prompt"]}, params)
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -117,6 +154,15 @@ class LLM:
             if pending:
                 engine.abort_request(list(pending))
         return [finals[i] for i in ids]
+
+
+def _as_list(prompts) -> list:
+    """One prompt (a string, a dict, or a list of token ids) or a sequence of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        return [prompts]
+    return list(prompts)
 
 
 def render_chat(tokenizer, conversation: Conversation, chat_template=None, add_generation_prompt=True) -> list[int]:

@@ -72,7 +72,12 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: bool = True) -> "LLMEngine":
-        """One engine; with data_parallel_size > 1, a DPEngine of that many replicas (same interface)."""
+        """One engine; with data_parallel_size > 1, a DPEngine of that many replicas (same interface); for an
+        embedding model (runner="pooling", or "auto" on an embedding checkpoint) a PoolingEngine."""
+        from jaxserve.pooling_engine import PoolingEngine, resolve_runner
+
+        if resolve_runner(args) == "pooling":
+            return PoolingEngine.from_engine_args(args, progress=progress)
         if args.data_parallel_size > 1:
             from jaxserve.dp_engine import DPEngine
 

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineArgs
 
+from jaxserve.server.embeddings import runner_routes
 from jaxserve.server.errors import EXCEPTION_HANDLERS, error_response
 from jaxserve.server.metrics import ServerMetrics, metrics_endpoint
 from jaxserve.server.openapi import openapi_endpoint
@@ -81,6 +82,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None) -> Starlett
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"], include_in_schema=False),
     ]
+    routes = runner_routes(getattr(engine.engine, "is_pooling", False), routes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 
+from jaxserve.server import embeddings as emb
 from jaxserve.server import protocol as rq
 from jaxserve.server import protocol_responses as rs
 from jaxserve.server.protocol_responses import server_version
@@ -20,6 +21,8 @@ _SSE = "text/event-stream"
 _ROUTES: list[tuple[str, str, str, Optional[type], Optional[type], bool]] = [
     ("/v1/completions", "post", "Create a completion", rq.CompletionRequest, rs.CompletionResponse, True),
     ("/v1/chat/completions", "post", "Create a chat completion", rq.ChatCompletionRequest, rs.ChatCompletionResponse, True),
+    ("/v1/embeddings", "post", "Create embeddings (embedding models only)", emb.EmbeddingRequest,
+     emb.EmbeddingResponse, False),
     ("/v1/models", "get", "List the served models", None, rs.ModelList, False),
     ("/tokenize", "post", "Tokenize a prompt or chat messages", rq.TokenizeRequest, rs.TokenizeResponse, False),
     ("/detokenize", "post", "Turn token ids back into text", rq.DetokenizeRequest, rs.DetokenizeResponse, False),

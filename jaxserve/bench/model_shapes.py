@@ -23,6 +23,19 @@ SHAPES = {
         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_id=128001, hidden_act="silu", torch_dtype="bfloat16",
     ),
+    # Embedding models (`jaxserve bench embed`): BERT-base (bge-base, e5-base, all-mpnet's width) and a bare
+    # Qwen3-8B decoder as Qwen3-Embedding-8B ships it (a *Model architecture: runner "auto" pools it).
+    "bert-base": dict(
+        architectures=["BertModel"], model_type="bert", hidden_size=768, intermediate_size=3072,
+        num_hidden_layers=12, num_attention_heads=12, vocab_size=30522, max_position_embeddings=512,
+        type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu", pad_token_id=0, torch_dtype="float32",
+    ),
+    "qwen3-embedding-8b": dict(
+        architectures=["Qwen3Model"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151665,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151643, hidden_act="silu", torch_dtype="bfloat16",
+    ),
 }
 
 
@@ -37,7 +50,7 @@ def write_shape(name: str, out_dir: str, num_hidden_layers: int | None = None, t
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    if tokenizer:
+    if tokenizer and "bos_token_id" in config:  # an encoder shape gets none: its benches use token ids
         write_word_tokenizer(out_dir, config["vocab_size"], config["bos_token_id"], config["eos_token_id"])
     return out_dir
 
