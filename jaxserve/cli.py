@@ -32,6 +32,8 @@ _HELP = {
     "the config)",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
     "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'',
     "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
 }
 
@@ -49,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         hint = hints[f.name]
         base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Union else hint
         help_text = _HELP.get(f.name, "") + (f" (default: {f.default})" if f.default not in (None, False) else "")
+        if f.name == "speculative_config":
+            base = str  # JSON, parsed by jaxserve.spec_decode.config
         if base is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:

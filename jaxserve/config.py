@@ -58,6 +58,9 @@ class EngineArgs:
     trust_remote_code: bool = False
     enable_lora: bool = False
     disable_log_stats: bool = False
+    # Speculative decoding, as vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
+    # "prompt_lookup_min"/"prompt_lookup_max" (ngram), "model" (draft_model)}; a JSON string from the CLI.
+    speculative_config: Optional[Any] = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -113,6 +116,9 @@ class EngineArgs:
             raise bad("trust_remote_code", "jaxserve runs only its own model code; leave it False")
         if self.max_logprobs < 0 or self.max_logprobs > 20:
             raise bad("max_logprobs", "must be in [0, 20]")
+        from jaxserve.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # raises, naming the key, the value and what works
 
 
 @dataclasses.dataclass(frozen=True)

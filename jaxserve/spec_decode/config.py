@@ -1,0 +1,73 @@
+"""SpeculativeConfig: vLLM's ``speculative_config`` dict, validated once into a frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional, Union
+
+METHODS = ("ngram", "draft_model")
+# vLLM spells the prompt-lookup method "ngram"; a draft model is picked by giving "model" (method "draft_model").
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """What proposes, and how many tokens per step."""
+
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int  # k: proposals scored per sequence per step
+    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram to look up
+    prompt_lookup_max: int = 3  # ngram: longest (tried first)
+    model: Optional[str] = None  # draft_model: path of the draft checkpoint (same tokenizer as the target)
+
+    @classmethod
+    def parse(cls, value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
+        """From a dict, a JSON string (the CLI's ``--speculative-config``) or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"speculative_config={value!r} is not valid JSON ({e}); "
+                    'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
+                ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
+        return cls._from_dict(dict(value))
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        unknown = sorted(set(d) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known keys: {list(_KEYS)}")
+        method = d.get("method") or ("draft_model" if d.get("model") else None)
+        if method not in METHODS:
+            hint = " (eagle is not implemented yet)" if method == "eagle" else ""
+            raise ValueError(f"speculative_config method={method!r} is not supported{hint}: choose one of {METHODS}")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens={k!r} is invalid: give an integer >= 1 (3 to 5 is typical)"
+            )
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if method == "ngram":
+            lo = hi if lo is None and hi is not None else (lo or 1)
+            hi = max(lo, 3) if hi is None else hi
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"speculative_config {name}={v!r} is invalid: give an integer >= 1")
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config prompt_lookup_min={lo} > prompt_lookup_max={hi}: the minimum must not exceed "
+                    "the maximum"
+                )
+        model = d.get("model")
+        if method == "draft_model" and not model:
+            raise ValueError(
+                "speculative_config method='draft_model' needs 'model': the path of a smaller checkpoint with the "
+                "target's tokenizer"
+            )
+        return cls(method, k, lo or 1, hi or 3, model)
