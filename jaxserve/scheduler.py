@@ -276,7 +276,9 @@ class Scheduler:
         max_tokens leave (each step emits at most len(proposals) + 1 tokens). Only a plain decode with nothing in
         flight verifies proposals: a prefill chunk or a token still pending takes none."""
         spec = request.spec_token_ids
-        if not spec or num_new != 1 or request.num_pending_tokens or request.num_computed_tokens != request.num_tokens - 1:
+        caught_up = request.num_computed_tokens == request.num_tokens - 1
+        decoding = num_new == 1 and not request.num_pending_tokens and caught_up
+        if not spec or not decoding:
             return []
         room = min(budget - 1, self.max_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens

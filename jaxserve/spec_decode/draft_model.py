@@ -75,7 +75,9 @@ class DraftProposer:
                 f"{text_config.max_position_embeddings} < max_model_len={mc.max_model_len}: lower --max-model-len"
             )
         cache = dataclasses.replace(target_runner.cache_config, num_gpu_blocks_override=target_runner.num_blocks)
-        draft_mc = dataclasses.replace(mc, model=path, model_format=fmt, served_model_name=f"{mc.served_model_name}-draft")
+        draft_mc = dataclasses.replace(
+            mc, model=path, model_format=fmt, served_model_name=f"{mc.served_model_name}-draft"
+        )
         sc = target_runner.scheduler_config
         runner = ModelRunner(model, text_config, draft_mc, cache, sc, rc, mesh=mesh)
         runner.warmup(progress=progress)

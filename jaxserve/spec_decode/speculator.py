@@ -22,7 +22,9 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.verifier = VerifyRunner(runner, self.k)
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if config.method == "ngram" else None
+        self.ngram = None
+        if config.method == "ngram":
+            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft = draft  # a DraftProposer for method "draft_model"
         self.stats = SpecDecodeStats(self.k)
 

@@ -18,7 +18,8 @@ K = 3
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": K}))
+    spec = {"method": "ngram", "num_speculative_tokens": K}
+    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs(precompile="none", speculative_config=spec))
 
 
 def _ids(n, seed=0):
@@ -132,8 +133,9 @@ def test_every_acceptance_length_is_exact(llm):
 
 
 def test_preemption_and_prefix_caching(llm):
-    small = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(
-        num_gpu_blocks_override=40, speculative_config={"method": "ngram", "num_speculative_tokens": K}))
+    spec = {"method": "ngram", "num_speculative_tokens": K}
+    small = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(num_gpu_blocks_override=40, precompile="none",
+                                                               speculative_config=spec))
     shared = _repetitive(10, 7)
     prompts = [{"prompt_token_ids": shared + _ids(3 + i, 20 + i)} for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
