@@ -45,6 +45,11 @@ class EngineStats:
     num_prompt_tokens: int  # cumulative, prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int  # cumulative
     num_preemptions: int  # cumulative
+    # Speculative decoding (cumulative; 0 and () without it), as vLLM's spec_decode counters.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [k]: drafts whose proposal j was accepted
 
 
 class LLMEngine:
@@ -256,6 +261,7 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=getattr(s, "num_preemptions", 0),
+            **(self.speculator.stats.engine_stats() if self.speculator is not None else {}),
         )
 
     def info(self) -> dict[str, Any]:
@@ -277,4 +283,5 @@ class LLMEngine:
             "async_scheduling": self.async_scheduling,
             "tensor_parallel_size": self.runner.mesh.shape["model"],
             "data_parallel_size": 1,
+            "speculative_config": None if self.speculator is None else dataclasses.asdict(self.speculator.config),
         }

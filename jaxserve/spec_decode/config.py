@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 METHODS = ("ngram", "draft_model")
 # vLLM spells the prompt-lookup method "ngram"; a draft model is picked by giving "model" (method "draft_model").
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "forced_acceptance_length")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,9 +17,12 @@ class SpeculativeConfig:
 
     method: str  # "ngram" | "draft_model"
     num_speculative_tokens: int  # k: proposals scored per sequence per step
-    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram to look up
-    prompt_lookup_max: int = 3  # ngram: longest (tried first)
+    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram to look up (default 1)
+    prompt_lookup_max: int = 3  # ngram: longest, tried first (default max(3, prompt_lookup_min))
     model: Optional[str] = None  # draft_model: path of the draft checkpoint (same tokenizer as the target)
+    # Benchmarks only: every draft keeps min(this, its proposals) tokens whatever the target says, so the cost of
+    # an acceptance length can be measured with dummy weights. The output is then NOT the model's.
+    forced_acceptance_length: Optional[int] = None
 
     @classmethod
     def parse(cls, value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
@@ -54,7 +57,7 @@ class SpeculativeConfig:
             )
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         if method == "ngram":
-            lo = hi if lo is None and hi is not None else (lo or 1)
+            lo = 1 if lo is None else lo
             hi = max(lo, 3) if hi is None else hi
             for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if not isinstance(v, int) or v < 1:
@@ -70,4 +73,10 @@ class SpeculativeConfig:
                 "speculative_config method='draft_model' needs 'model': the path of a smaller checkpoint with the "
                 "target's tokenizer"
             )
-        return cls(method, k, lo or 1, hi or 3, model)
+        forced = d.get("forced_acceptance_length")
+        if forced is not None and (not isinstance(forced, int) or not 0 <= forced <= k):
+            raise ValueError(
+                f"speculative_config forced_acceptance_length={forced!r} is invalid: give an integer in [0, "
+                f"num_speculative_tokens={k}] (benchmarks only), or leave it out"
+            )
+        return cls(method, k, lo or 1, hi or 3, model, forced)

@@ -36,14 +36,14 @@ _RECOVERED_SALT = 0x5EC1
 
 
 def accept(
-    logits: jax.Array, draft: jax.Array, num_spec: jax.Array, md: SamplingMetadata
+    logits: jax.Array, draft: jax.Array, num_spec: jax.Array, md: SamplingMetadata, forced: int | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Accept proposals and add one token per row.
 
     logits [S*(K+1), V] f32 (row s, position j at s*(K+1)+j); draft [S, K] i32; num_spec [S] i32 (proposals
     per row, 0..K); md: one row per (s, j), with ``steps`` = tokens generated before position j.
     Returns (tokens [S, K+1] i32: the first num_emitted of each row are the output, num_emitted [S] i32 in
-    1..num_spec+1).
+    1..num_spec+1). ``forced`` (benchmarks only, static): accept min(forced, num_spec) proposals regardless.
     """
     num_rows, k = draft.shape
     positions = k + 1
@@ -69,6 +69,8 @@ def accept(
         at_rejection = jnp.arange(positions)[None, :] < num_spec[:, None]  # [S, K+1]
         final = jnp.where(greedy[:, None] | ~at_rejection, candidate, recovered)
     num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # [S]
+    if forced is not None:
+        num_accepted = jnp.minimum(num_spec, forced)
     j = jnp.arange(positions)[None, :]  # [1, K+1]
     draft_wide = jnp.pad(draft, ((0, 0), (0, 1)))  # [S, K+1]
     chosen = jnp.take_along_axis(final, num_accepted[:, None], axis=1)  # [S, 1]

@@ -21,7 +21,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, runner, draft: Optional[object] = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.verifier = VerifyRunner(runner, self.k)
+        self.verifier = VerifyRunner(runner, self.k, config.forced_acceptance_length)
         self.ngram = None
         if config.method == "ngram":
             self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

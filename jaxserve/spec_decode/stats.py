@@ -39,6 +39,11 @@ class SpecDecodeStats:
         """Tokens emitted per verify step of a sequence with proposals: 1 + accepted per draft (vLLM's)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def engine_stats(self) -> dict:
+        """The EngineStats fields (jaxserve.llm_engine)."""
+        return dict(spec_num_drafts=self.num_drafts, spec_num_draft_tokens=self.num_draft_tokens,
+                    spec_num_accepted_tokens=self.num_accepted_tokens, spec_accepted_per_pos=tuple(self.accepted_per_pos))
+
     def summary(self) -> dict:
         return {
             "num_drafts": self.num_drafts,

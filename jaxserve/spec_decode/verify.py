@@ -28,7 +28,7 @@ from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.spec_decode.rejection import accept
 
 
-def _verify(graphdef, treedef, k, params, kv_caches, tok_fields, seq_fields, spec_fields, md):
+def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fields, spec_fields, md):
     """(params, cache, packed batch, spec_fields [S, 2K+2], md of S*(K+1) rows) ->
     (tokens [S, K+1], num_emitted [S], logprob outputs or None, new cache)."""
     input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields)
@@ -38,7 +38,7 @@ def _verify(graphdef, treedef, k, params, kv_caches, tok_fields, seq_fields, spe
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     hidden, kv_caches = model(input_ids, kv_caches, attn_md)  # [T, E]
     logits = model.compute_logits(hidden[logits_idx.reshape(-1)])  # [S*(K+1), V] f32
-    tokens, num_emitted = accept(logits, draft, num_spec, md)
+    tokens, num_emitted = accept(logits, draft, num_spec, md, forced)
     lp = _with_logprobs(logits, tokens.reshape(-1)) if md.needs_logprobs else None
     return tokens, num_emitted, lp, kv_caches
 
@@ -54,10 +54,11 @@ class VerifyHandle:
 class VerifyRunner:
     """Runs verify steps over a ModelRunner's weights and KV cache, for ``k`` proposals per sequence at most."""
 
-    def __init__(self, runner: ModelRunner, k: int) -> None:
+    def __init__(self, runner: ModelRunner, k: int, forced_acceptance_length: int | None = None) -> None:
         self.runner = runner
         self.k = k
-        self._step = jax.jit(functools.partial(_verify, runner.graphdef, runner._treedef, k), donate_argnums=1)
+        verify = functools.partial(_verify, runner.graphdef, runner._treedef, k, forced_acceptance_length)
+        self._step = jax.jit(verify, donate_argnums=1)
 
     def dispatch(self, sched: SchedulerOutput):
         """Launch the step; without any proposal in it, the runner's own step (its output has one token a row)."""
