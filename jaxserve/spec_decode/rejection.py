@@ -1,7 +1,8 @@
 """Which proposed tokens the target accepts, and the one token it adds: a pure, jittable function.
 
-Rows are sequences, positions j = 0..K are the verify step's query tokens from the sequence's last known
-token on: the logits at position j score proposal j (and, after the last proposal, give a bonus token).
+Position j = 0..num_spec of a sequence is its verify step's query token j, from its last known token on: the
+logits there score proposal j (and, after the last proposal, give a bonus token). Only those positions get
+logits, one row each, so the step pays for the proposals it has, not for K per padded sequence.
 
 - Greedy rows accept the longest prefix of proposals equal to the target's argmax, then add the argmax at
   the first mismatch (or after the last proposal). The output is exactly greedy decoding's.
@@ -36,46 +37,51 @@ _RECOVERED_SALT = 0x5EC1
 
 
 def accept(
-    logits: jax.Array, draft: jax.Array, num_spec: jax.Array, md: SamplingMetadata, forced: int | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Accept proposals and add one token per row.
+    logits: jax.Array,
+    rows: jax.Array,
+    num_spec: jax.Array,
+    md: SamplingMetadata,
+    k: int,
+    forced: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Accept proposals and add one token per sequence.
 
-    logits [S*(K+1), V] f32 (row s, position j at s*(K+1)+j); draft [S, K] i32; num_spec [S] i32 (proposals
-    per row, 0..K); md: one row per (s, j), with ``steps`` = tokens generated before position j.
+    The logits come only for the rows that matter: R rows, one per (sequence s, position j <= num_spec[s]).
+    logits [R, V] f32; rows [3, R] i32: (proposal scored at this row or -1 after the last one, s, j), padding
+    rows have s = S (dropped); num_spec [S] i32; md: one row per logits row, ``steps`` = tokens generated
+    before position j. ``k`` (static) is the most proposals a sequence has; ``forced`` (benchmarks only,
+    static): accept min(forced, num_spec) proposals regardless.
     Returns (tokens [S, K+1] i32: the first num_emitted of each row are the output, num_emitted [S] i32 in
-    1..num_spec+1). ``forced`` (benchmarks only, static): accept min(forced, num_spec) proposals regardless.
+    1..num_spec+1, emitted [R] i32: the token each row emits, if it emits one, for logprobs).
     """
-    num_rows, k = draft.shape
-    positions = k + 1
+    draft, seq, pos = rows[0], rows[1], rows[2]  # [R] each
+    num_seqs = num_spec.shape[0]
     plain = dataclasses.replace(md, needs_logprobs=False)
-    candidate = sample(logits, plain).token_ids.reshape(num_rows, positions)  # [S, K+1]: the plain sampler's token
-    in_range = jnp.arange(k)[None, :] < num_spec[:, None]  # [S, K]
-    greedy = (md.temperature <= 0).reshape(num_rows, positions)[:, 0]  # [S]
+    candidate = sample(logits, plain).token_ids  # [R]: the plain sampler's token at each row
+    has_proposal = draft >= 0  # [R]
     if md.all_greedy:
-        accepted = (draft == candidate[:, :k]) & in_range  # [S, K]
-        final = candidate  # [S, K+1]
+        ok = draft == candidate  # [R]
+        final = candidate
     else:
-        scaled = _target_logits(logits, md)  # [S*(K+1), V]
-        keys = jax.vmap(_row_key)(md.seeds, md.steps)  # [S*(K+1)] keys
-        draft_flat = jnp.pad(draft, ((0, 0), (0, 1)), constant_values=-1).reshape(-1)  # [S*(K+1)]
-        probs = jax.nn.softmax(scaled, axis=-1)  # [S*(K+1), V]
-        p_draft = jnp.take_along_axis(probs, jnp.maximum(draft_flat, 0)[:, None], axis=-1)[:, 0]  # [S*(K+1)]
-        uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, _UNIFORM_SALT)))(keys)
-        sampled_ok = (uniform < p_draft).reshape(num_rows, positions)[:, :k]  # [S, K]
-        greedy_ok = draft == candidate[:, :k]  # [S, K]
-        accepted = jnp.where(greedy[:, None], greedy_ok, sampled_ok) & in_range
-        recovered = _recovered(scaled, draft_flat, keys).reshape(num_rows, positions)  # [S, K+1]
+        greedy = md.temperature <= 0  # [R]
+        scaled = _target_logits(logits, md)  # [R, V]
+        keys = jax.vmap(_row_key)(md.seeds, md.steps)  # [R] keys
+        probs = jax.nn.softmax(scaled, axis=-1)  # [R, V]
+        p_draft = jnp.take_along_axis(probs, jnp.maximum(draft, 0)[:, None], axis=-1)[:, 0]  # [R]
+        uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, _UNIFORM_SALT)))(keys)  # [R]
+        ok = jnp.where(greedy, draft == candidate, uniform < p_draft)
         # A rejected position's token is the recovered draw; after the last proposal it is the plain draw.
-        at_rejection = jnp.arange(positions)[None, :] < num_spec[:, None]  # [S, K+1]
-        final = jnp.where(greedy[:, None] | ~at_rejection, candidate, recovered)
-    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # [S]
+        final = jnp.where(greedy | ~has_proposal, candidate, _recovered(scaled, draft, keys))
+    rejected_at = jnp.where(has_proposal & ~ok, pos, k + 1)  # [R]
+    first_rejection = jax.ops.segment_min(rejected_at, seq, num_segments=num_seqs, mode="drop")  # [S]
+    num_accepted = jnp.minimum(first_rejection, num_spec)  # [S]
     if forced is not None:
         num_accepted = jnp.minimum(num_spec, forced)
-    j = jnp.arange(positions)[None, :]  # [1, K+1]
-    draft_wide = jnp.pad(draft, ((0, 0), (0, 1)))  # [S, K+1]
-    chosen = jnp.take_along_axis(final, num_accepted[:, None], axis=1)  # [S, 1]
-    tokens = jnp.where(j < num_accepted[:, None], draft_wide, jnp.where(j == num_accepted[:, None], chosen, 0))
-    return tokens.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)
+    accepted_here = num_accepted[jnp.minimum(seq, num_seqs - 1)]  # [R]
+    emitted = jnp.where(pos < accepted_here, draft, final).astype(jnp.int32)  # [R]
+    keep = pos <= accepted_here  # [R]
+    tokens = jnp.zeros((num_seqs, k + 1), jnp.int32).at[seq, pos].set(jnp.where(keep, emitted, 0), mode="drop")
+    return tokens, (num_accepted + 1).astype(jnp.int32), emitted
 
 
 def _target_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -90,11 +96,11 @@ def _target_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return scaled
 
 
-def _recovered(scaled: jax.Array, draft_flat: jax.Array, keys: jax.Array) -> jax.Array:
+def _recovered(scaled: jax.Array, draft: jax.Array, keys: jax.Array) -> jax.Array:
     """A draw from p with the proposal removed (max(0, p - q) for a point-mass q, renormalised). [R] i32.
 
     If the proposal held all of p's mass it is never rejected, so the all -inf row this could give is unused."""
     vocab = scaled.shape[-1]
-    removed = jnp.where(jnp.arange(vocab)[None, :] == draft_flat[:, None], -jnp.inf, scaled)  # [R, V]
+    removed = jnp.where(jnp.arange(vocab)[None, :] == draft[:, None], -jnp.inf, scaled)  # [R, V]
     gumbel = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, _RECOVERED_SALT), (vocab,)))(keys)
     return argmax(removed + gumbel)

@@ -28,18 +28,15 @@ from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.spec_decode.rejection import accept
 
 
-def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fields, spec_fields, md):
-    """(params, cache, packed batch, spec_fields [S, 2K+2], md of S*(K+1) rows) ->
-    (tokens [S, K+1], num_emitted [S], logprob outputs or None, new cache)."""
+def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec, md):
+    """(params, cache, packed batch, spec_rows [4, R], num_spec [S], md of R rows) ->
+    (tokens [S, K+1], num_emitted [S], logprob outputs of the R rows or None, new cache)."""
     input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields)
-    logits_idx = spec_fields[:, : k + 1]  # [S, K+1]
-    draft = spec_fields[:, k + 1 : 2 * k + 1]  # [S, K]
-    num_spec = spec_fields[:, 2 * k + 1]  # [S]
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     hidden, kv_caches = model(input_ids, kv_caches, attn_md)  # [T, E]
-    logits = model.compute_logits(hidden[logits_idx.reshape(-1)])  # [S*(K+1), V] f32
-    tokens, num_emitted = accept(logits, draft, num_spec, md, forced)
-    lp = _with_logprobs(logits, tokens.reshape(-1)) if md.needs_logprobs else None
+    logits = model.compute_logits(hidden[spec_rows[0]])  # [R, V] f32: only the positions that score something
+    tokens, num_emitted, emitted = accept(logits, spec_rows[1:], num_spec, md, k, forced)
+    lp = _with_logprobs(logits, emitted) if md.needs_logprobs else None
     return tokens, num_emitted, lp, kv_caches
 
 
@@ -47,7 +44,8 @@ def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fie
 class VerifyHandle:
     tokens: jax.Array  # [S, K+1] i32, on the device until fetched
     num_emitted: jax.Array  # [S] i32
-    logprobs: object  # SamplerOutput of S*(K+1) rows, or None
+    logprobs: object  # SamplerOutput of the R logits rows, or None
+    row_start: np.ndarray  # [S_real]: each sequence's first logits row
     num_rows: int
 
 
@@ -64,24 +62,34 @@ class VerifyRunner:
         """Launch the step; without any proposal in it, the runner's own step (its output has one token a row)."""
         if not any(seq.num_spec_tokens for seq in sched.seqs):
             return self.runner.dispatch(sched)
-        r, k = self.runner, self.k
+        r = self.runner
         t, s, b = r._shapes_for(sched)
         x = build_step_inputs(
             sched.seqs, num_tokens_padded=t, num_seqs_padded=s, block_width=b, block_size=r.block_size,
             num_blocks=r.num_blocks,
         )
-        spec = np.zeros((s, 2 * k + 2), np.int32)  # [S, 2K+2]: logits_idx [K+1] | draft [K] | num_spec [1]
+        counts = np.array([seq.num_spec_tokens + 1 for seq in sched.seqs], np.int32)  # logits rows per sequence
+        row_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)  # [S_real]
+        num_rows = _row_bucket(int(counts.sum()))
+        # [4, R]: token index in the flat batch | proposal scored there (-1: none) | sequence | position j.
+        spec_rows = np.zeros((4, num_rows), np.int32)
+        spec_rows[1] = -1
+        spec_rows[2] = s  # padding rows belong to no sequence: dropped
+        num_spec = np.zeros(s, np.int32)  # [S]
         for i, seq in enumerate(sched.seqs):
-            n = seq.num_spec_tokens
+            n, r0 = seq.num_spec_tokens, row_start[i]
             last = int(x.query_start_loc[i + 1]) - 1
-            # Position j's logits come from query token (last - n + j); positions past n repeat the last one.
-            spec[i, : k + 1] = last - n + np.minimum(np.arange(k + 1), n)
-            spec[i, k + 1 : k + 1 + n] = seq.token_ids[len(seq.token_ids) - n :]
-            spec[i, 2 * k + 1] = n
-        md = _expand(SamplingMetadata.from_seqs(sched.seqs, s, r._history_len(sched)), k + 1)
-        tokens, num_emitted, lp, r.kv_caches = self._step(r.params, r.kv_caches, *pack_inputs(x), spec, md)
+            spec_rows[0, r0 : r0 + n + 1] = np.arange(last - n, last + 1)
+            spec_rows[1, r0 : r0 + n] = seq.token_ids[len(seq.token_ids) - n :]
+            spec_rows[2, r0 : r0 + n + 1] = i
+            spec_rows[3, r0 : r0 + n + 1] = np.arange(n + 1)
+            num_spec[i] = n
+        md = _rows_metadata(SamplingMetadata.from_seqs(sched.seqs, s, r._history_len(sched)), counts, num_rows)
+        tokens, num_emitted, lp, r.kv_caches = self._step(
+            r.params, r.kv_caches, *pack_inputs(x), spec_rows, num_spec, md
+        )
         r.num_steps += 1
-        return VerifyHandle(tokens, num_emitted, lp, len(sched.seqs))
+        return VerifyHandle(tokens, num_emitted, lp, row_start, len(sched.seqs))
 
     def fetch(self, handle) -> ModelRunnerOutput:
         """Read a step back: ``emitted_token_ids`` per row (a plain step's one token becomes a list of one)."""
@@ -92,25 +100,39 @@ class VerifyRunner:
         rows = handle.num_rows
         emitted = [row[:n].tolist() for row, n in zip(np.asarray(tokens)[:rows], np.asarray(num_emitted)[:rows])]
         out = ModelRunnerOutput(sampled_token_ids=[e[0] for e in emitted], emitted_token_ids=emitted)
-        if lp is not None:
-            flat = rows * (self.k + 1)
+        if lp is None:
+            return out
+        # Logprob lists laid out with a stride of K+1 per sequence (ModelRunnerOutput.logprobs_stride).
+        stride = self.k + 1
+        where = np.zeros(rows * stride, np.int64)  # entry -> logits row (unused entries read row 0)
+        for i, e in enumerate(emitted):
+            where[i * stride : i * stride + len(e)] = handle.row_start[i] + np.arange(len(e))
 
-            def cut(a):
-                return np.asarray(a)[:flat].tolist()
+        def cut(a):
+            return np.asarray(a)[where].tolist()
 
-            out = dataclasses.replace(
-                out, sampled_logprobs=cut(lp.sampled_logprobs), sampled_ranks=cut(lp.sampled_ranks),
-                top_token_ids=cut(lp.top_token_ids), top_logprobs=cut(lp.top_logprobs), logprobs_stride=self.k + 1,
-            )
-        return out
+        return dataclasses.replace(
+            out, sampled_logprobs=cut(lp.sampled_logprobs), sampled_ranks=cut(lp.sampled_ranks),
+            top_token_ids=cut(lp.top_token_ids), top_logprobs=cut(lp.top_logprobs), logprobs_stride=stride,
+        )
 
 
-def _expand(md: SamplingMetadata, positions: int) -> SamplingMetadata:
-    """Each row repeated for the ``positions`` query positions of its sequence, position j's step + j."""
+def _row_bucket(n: int) -> int:
+    """Logits rows, padded to a power of two (one compiled verify step per (T, B, R))."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _rows_metadata(md: SamplingMetadata, counts: np.ndarray, num_rows: int) -> SamplingMetadata:
+    """Each sequence's row repeated for its ``counts`` logits rows (position j's step + j), padded to ``num_rows``
+    with copies of row S-1 (padding rows' outputs are dropped)."""
+    seq_of_row = np.repeat(np.arange(len(counts)), counts)  # [R_real]
+    pos_of_row = np.arange(len(seq_of_row)) - np.repeat(np.cumsum(counts) - counts, counts)  # [R_real]
+    pad = num_rows - len(seq_of_row)
+    index = np.concatenate([seq_of_row, np.full(pad, md.num_rows - 1)])  # [R]
     fields = {}
     for f in dataclasses.fields(md):
         value = getattr(md, f.name)
         if isinstance(value, np.ndarray):
-            fields[f.name] = np.repeat(value, positions, axis=0)
-    fields["steps"] = fields["steps"] + np.tile(np.arange(positions, dtype=np.int32), md.num_rows)
+            fields[f.name] = value[index]
+    fields["steps"] = fields["steps"] + np.concatenate([pos_of_row, np.zeros(pad, np.int64)]).astype(np.int32)
     return dataclasses.replace(md, **fields)

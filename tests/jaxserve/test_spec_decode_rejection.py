@@ -38,9 +38,14 @@ def _md(rows: int, temperature: float, top_k: int = 0, k: int = 2) -> SamplingMe
 
 def _run(draft, temperature=1.0, top_k=0):
     k = len(draft)
-    logits = jnp.asarray(np.tile(LOGITS[: k + 1], (N, 1)))  # [N*(K+1), V]
-    drafts = jnp.asarray(np.tile(np.asarray(draft, np.int32), (N, 1)))  # [N, K]
-    tokens, emitted = accept(logits, drafts, jnp.full(N, k, jnp.int32), _md(N * (k + 1), temperature, top_k, k))
+    logits = jnp.asarray(np.tile(LOGITS[: k + 1], (N, 1)))  # [N*(K+1), V]: N sequences, K+1 rows each
+    rows = np.stack([
+        np.tile(np.asarray(list(draft) + [-1], np.int32), N),  # the proposal each row scores
+        np.repeat(np.arange(N, dtype=np.int32), k + 1),  # its sequence
+        np.tile(np.arange(k + 1, dtype=np.int32), N),  # its position
+    ])  # fmt: skip
+    md = _md(N * (k + 1), temperature, top_k, k)
+    tokens, emitted, _ = accept(logits, jnp.asarray(rows), jnp.full(N, k, jnp.int32), md, k)
     return np.asarray(tokens), np.asarray(emitted)
 
 
