@@ -21,7 +21,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3  # ngram: longest, tried first (default max(3, prompt_lookup_min))
     model: Optional[str] = None  # draft_model: path of the draft checkpoint (same tokenizer as the target)
     # Benchmarks only: every draft keeps min(this, its proposals) tokens whatever the target says, so the cost of
-    # an acceptance length can be measured with dummy weights. The output is then NOT the model's.
+    # an acceptance length can be measured with dummy weights; "ngram" then pads its proposals to k (repeating the
+    # last token), a proposer that costs nothing. The output is then NOT the model's.
     forced_acceptance_length: Optional[int] = None
 
     @classmethod

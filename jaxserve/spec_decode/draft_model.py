@@ -54,10 +54,17 @@ class DraftProposer:
         from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn
 
         rc = target_runner.runner_config
+        if rc.platform != "cpu" and args.num_gpu_blocks_override is None:
+            raise ValueError(
+                "speculative_config method='draft_model' on an accelerator needs --num-gpu-blocks-override: the "
+                "target's KV cache is sized first and would leave no memory for the draft's (it has as many blocks); "
+                "e.g. --num-gpu-blocks-override 4096 (65k tokens of 16)"
+            )
         attention_fn = get_attention_fn(rc.attention_backend, rc.platform)
         if mesh.shape["model"] > 1 and rc.attention_backend not in GATHER_BACKENDS:
             attention_fn = sharding.shard_attention(attention_fn, mesh)
-        path, fmt = resolve_model_path(config.model, "auto")
+        # A dummy-weight target (benchmarks) gets a dummy-weight draft of the shape config.model's config.json gives.
+        path, fmt = resolve_model_path(config.model, "dummy" if args.load_format == "dummy" else "auto")
         mc = target_runner.model_config
         model, text_config = load_model(
             path, fmt, dtype=jnp.dtype(mc.dtype), attention_fn=attention_fn, seed=args.seed,

@@ -42,8 +42,10 @@ class Speculator:
         """Set ``spec_token_ids`` of every running request that decodes next step and may speculate."""
         eligible = [r for r in running if r.status == RequestStatus.RUNNING and _may_speculate(r)]
         if self.ngram is not None:
+            pad = self.config.forced_acceptance_length is not None  # benchmarks: always verify k proposals
             for r in eligible:
-                r.spec_token_ids = self.ngram.propose(r.all_token_ids, self.k)
+                proposal = self.ngram.propose(r.all_token_ids, self.k)
+                r.spec_token_ids = (proposal + [r.all_token_ids[-1]] * self.k)[: self.k] if pad else proposal
         elif self.draft is not None:
             self.draft.propose(eligible, self.k, kv)
 
