@@ -37,23 +37,56 @@ def _generate(llm, prompts, params, speculate=True):
 
 
 @pytest.fixture(scope="module")
-def same_draft():
-    return _engine("llama_gqa")  # the target as its own draft: every greedy proposal is right
+def llm():
+    # The target as its own draft: every greedy proposal is right. 28 blocks of 4: preemption under load.
+    return _engine("llama_gqa", num_gpu_blocks_override=28)
 
 
-def test_draft_equal_to_target_accepts_everything_and_is_exact(same_draft):
-    prompts = [{"prompt_token_ids": _ids(n, n)} for n in (5, 40, 13)]  # 40 > the 32-token budget: chunked
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 9, 14)]
-    plain = _generate(same_draft, prompts, params, speculate=False)
-    stats = same_draft.llm_engine.speculator.stats
-    assert _generate(same_draft, prompts, params) == plain
+def _run_exact(llm):
+    shared = _ids(10, 7)
+    prompts = [{"prompt_token_ids": shared + _ids(3 + i, 20 + i)} for i in range(4)]
+    prompts.append({"prompt_token_ids": _ids(40, 40)})  # 40 > the 32-token budget: chunked prefill
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (28, 9, 21, 14, 17)]
+    plain = _generate(llm, prompts, params, speculate=False)
+    engine = llm.llm_engine
+    preempted, hits = engine.scheduler.num_preemptions, engine.scheduler.prefix_cache_hits
+    assert _generate(llm, prompts, params) == plain
+    assert engine.scheduler.num_preemptions > preempted and engine.scheduler.prefix_cache_hits > hits
+
+
+def test_draft_equal_to_target_accepts_everything_and_is_exact(llm):
+    stats = llm.llm_engine.speculator.stats
+    _run_exact(llm)
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
 
 
-def test_draft_cache_consistent_after_rejections(same_draft):
+def test_greedy_exact_when_proposals_are_rejected(llm):
+    """Corrupt one proposal of most drafts after the draft made them (its cache holds the real ones): the target
+    rejects there, the draft must carry on from a cache that is right only up to the accepted tokens."""
+    draft = llm.llm_engine.speculator.draft
+    propose, calls = draft.propose, [0]
+
+    def corrupting(requests, k, kv):
+        propose(requests, k, kv)
+        for r in requests:
+            calls[0] += 1
+            if r.spec_token_ids and calls[0] % 4:
+                r.spec_token_ids[calls[0] % len(r.spec_token_ids)] ^= 1
+
+    stats = llm.llm_engine.speculator.stats
+    rejected = stats.num_draft_tokens - stats.num_accepted_tokens
+    draft.propose = corrupting
+    try:
+        _run_exact(llm)
+    finally:
+        draft.propose = propose
+    assert stats.num_draft_tokens - stats.num_accepted_tokens > rejected + 10
+
+
+def test_draft_cache_consistent_after_rejections(llm):
     """Sampled rows reject proposals often; after every step, the draft's incremental proposals must equal
     those it makes from an empty draft cache (recomputing every position)."""
-    engine = same_draft.llm_engine
+    engine = llm.llm_engine
     draft = engine.speculator.draft
     sp = SamplingParams(temperature=1.5, seed=1, max_tokens=24, ignore_eos=True)
     for i, n in enumerate((6, 11)):
@@ -70,19 +103,6 @@ def test_draft_cache_consistent_after_rejections(same_draft):
         compared += len(running)
     stats = engine.speculator.stats
     assert compared > 5 and stats.num_draft_tokens - stats.num_accepted_tokens > rejected_before
-
-
-def test_other_draft_with_preemption_and_prefix_cache():
-    llm = _engine("llama_mha_tied", num_gpu_blocks_override=40)
-    shared = _ids(10, 7)
-    prompts = [{"prompt_token_ids": shared + _ids(3 + i, 20 + i)} for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-    plain = _generate(llm, prompts, params, speculate=False)
-    engine = llm.llm_engine
-    preempted, hits = engine.scheduler.num_preemptions, engine.scheduler.prefix_cache_hits
-    assert _generate(llm, prompts, params) == plain
-    assert engine.scheduler.num_preemptions > preempted and engine.scheduler.prefix_cache_hits > hits
-    assert engine.speculator.stats.num_draft_tokens > 0
 
 
 def test_draft_with_another_vocabulary_is_refused():

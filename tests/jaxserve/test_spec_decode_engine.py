@@ -154,3 +154,22 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     alone = _summary(_generate(llm, [prompt], sp))
     batched = _summary(_generate(llm, [prompt, {"prompt_token_ids": _ids(20, 5)}], sp))
     assert batched[0] == alone[0] and len(alone[0][0][0]) == 16
+
+
+@pytest.mark.slow
+def test_default_model_ngram_greedy_is_exact():
+    """The real default model (SmolLM2-135M) editing a code snippet: n-gram proposals are mostly right, and the
+    text is greedy decoding's exactly."""
+    code = "def add(a, b):\n    total = a + b\n    return total\n\nprint(add(2, 3))\n"
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, compilation_cache_dir="",
+              use_tqdm_on_load=False, speculative_config=spec)
+    messages = [{"role": "user", "content": "Rename the function add to plus and show the whole code:\n\n" + code}]
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    engine = llm.llm_engine
+    spec_out = llm.chat(messages, sp, use_tqdm=False)[0].outputs[0]
+    saved, engine.speculator = engine.speculator, None
+    plain = llm.chat(messages, sp, use_tqdm=False)[0].outputs[0]
+    engine.speculator = saved
+    assert spec_out.token_ids == plain.token_ids and spec_out.text == plain.text
+    assert saved.stats.mean_acceptance_length > 1.5, saved.stats.summary()
