@@ -7,7 +7,8 @@ decides where every position lives, and no second allocator has to agree with it
 What the draft's cache holds is tracked per request (``_DraftState``): positions below ``valid`` hold the
 draft's KV of the request's real tokens. Each round first catches up (runs the tokens from ``valid`` to the
 last known one, in chunks of the draft's token budget; the last chunk's sample is proposal 0), then feeds
-proposal j at position N + j to get proposal j + 1. Positions N.. then hold proposals; after verification only
+proposal j at position N + j to get proposal j + 1 (steps dispatched back to back, each taking its input on
+the device from the one before, read back together). Positions N.. then hold proposals; after verification only
 those equal to the tokens the target accepted stay valid (the prefix of proposals matching the sequence), so
 the draft's cache is consistent after any rejection. A rejected proposal's slot may be handed to another
 request, but positions counted valid are never among them (they lie before the target's computed length).
@@ -105,11 +106,19 @@ class DraftProposer:
         if not todo:
             return
         proposals = self._catch_up(todo)
+        # Proposals 1..k-1: k-1 one-token steps dispatched back to back, each taking its input token on the device
+        # from the step before (the runner's placeholder mechanism), read back together at the end.
+        handles = []
         for j in range(1, k):
-            seqs = [
-                _seq(r, [proposals[r.request_id][-1]], r.num_tokens + j - 1, blocks) for r, _, blocks in todo
-            ]
-            for (r, _, _), token in zip(todo, self._run(seqs)):
+            seqs = []
+            for i, (r, _, blocks) in enumerate(todo):
+                seq = _seq(r, [proposals[r.request_id][0] if j == 1 else -1], r.num_tokens + j - 1, blocks)
+                if j > 1:
+                    seq.num_placeholders, seq.prev_row = 1, i
+                seqs.append(seq)
+            handles.append(self.runner.dispatch(SchedulerOutput(seqs=seqs, num_batched_tokens=len(seqs))))
+        for handle in handles:
+            for (r, _, _), token in zip(todo, self.runner.fetch(handle).sampled_token_ids):
                 proposals[r.request_id].append(token)
         for r, _, _ in todo:
             r.spec_token_ids = proposals[r.request_id]
