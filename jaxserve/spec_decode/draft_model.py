@@ -7,8 +7,7 @@ decides where every position lives, and no second allocator has to agree with it
 What the draft's cache holds is tracked per request (``_DraftState``): positions below ``valid`` hold the
 draft's KV of the request's real tokens. Each round first catches up (runs the tokens from ``valid`` to the
 last known one, in chunks of the draft's token budget; the last chunk's sample is proposal 0), then feeds
-proposal j at position N + j to get proposal j + 1 (steps dispatched back to back, each taking its input on
-the device from the one before, read back together). Positions N.. then hold proposals; after verification only
+proposal j at position N + j to get proposal j + 1. Positions N.. then hold proposals; after verification only
 those equal to the tokens the target accepted stay valid (the prefix of proposals matching the sequence), so
 the draft's cache is consistent after any rejection. A rejected proposal's slot may be handed to another
 request, but positions counted valid are never among them (they lie before the target's computed length).
@@ -105,18 +104,25 @@ class DraftProposer:
             todo.append((r, self._valid(r), kv.get_block_ids(r)))
         if not todo:
             return
-        proposals = self._catch_up(todo)
-        # Proposals 1..k-1: k-1 one-token steps dispatched back to back, each taking its input token on the device
-        # from the step before (the runner's placeholder mechanism), read back together at the end.
-        handles = []
+        # The usual round needs no read-back until the end: one catch-up step (each request's few new tokens),
+        # then k-1 one-token steps, dispatched back to back, each taking its input token on the device from the
+        # step before (the runner's placeholders). Only a long catch-up (a prompt) runs in chunks first.
+        single = sum(r.num_tokens - valid for r, valid, _ in todo) <= self.budget and len(todo) <= self.max_seqs
+        handles, proposals = [], {r.request_id: [] for r, _, _ in todo}
+        if single:
+            seqs = [_seq(r, r.all_token_ids[valid:], valid, blocks) for r, valid, blocks in todo]
+            handles.append(self._dispatch(seqs))
+        else:
+            proposals = self._catch_up(todo)
         for j in range(1, k):
             seqs = []
             for i, (r, _, blocks) in enumerate(todo):
-                seq = _seq(r, [proposals[r.request_id][0] if j == 1 else -1], r.num_tokens + j - 1, blocks)
-                if j > 1:
+                on_device = single or j > 1
+                seq = _seq(r, [-1 if on_device else proposals[r.request_id][0]], r.num_tokens + j - 1, blocks)
+                if on_device:
                     seq.num_placeholders, seq.prev_row = 1, i
                 seqs.append(seq)
-            handles.append(self.runner.dispatch(SchedulerOutput(seqs=seqs, num_batched_tokens=len(seqs))))
+            handles.append(self._dispatch(seqs))
         for handle in handles:
             for (r, _, _), token in zip(todo, self.runner.fetch(handle).sampled_token_ids):
                 proposals[r.request_id].append(token)
@@ -156,9 +162,11 @@ class DraftProposer:
                     proposals[seq.req_id] = [token]
         return proposals
 
+    def _dispatch(self, seqs: list[ScheduledSeq]):
+        return self.runner.dispatch(SchedulerOutput(seqs=seqs, num_batched_tokens=sum(len(s.token_ids) for s in seqs)))
+
     def _run(self, seqs: list[ScheduledSeq]) -> list[int]:
-        sched = SchedulerOutput(seqs=seqs, num_batched_tokens=sum(len(s.token_ids) for s in seqs))
-        return self.runner.execute(sched).sampled_token_ids
+        return self.runner.fetch(self._dispatch(seqs)).sampled_token_ids
 
 
 def _seq(r: Request, token_ids: list[int], start: int, blocks: list[int], sample: bool = True) -> ScheduledSeq:
