@@ -8,7 +8,9 @@ from typing import Any, Optional, Union
 
 METHODS = ("ngram", "draft_model")
 # vLLM spells the prompt-lookup method "ngram"; a draft model is picked by giving "model" (method "draft_model").
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "forced_acceptance_length")
+_KEYS = (
+    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "forced_acceptance_length",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,8 +41,10 @@ class SpecDecodeStats:
 
     def engine_stats(self) -> dict:
         """The EngineStats fields (jaxserve.llm_engine)."""
-        return dict(spec_num_drafts=self.num_drafts, spec_num_draft_tokens=self.num_draft_tokens,
-                    spec_num_accepted_tokens=self.num_accepted_tokens, spec_accepted_per_pos=tuple(self.accepted_per_pos))
+        return dict(
+            spec_num_drafts=self.num_drafts, spec_num_draft_tokens=self.num_draft_tokens,
+            spec_num_accepted_tokens=self.num_accepted_tokens, spec_accepted_per_pos=tuple(self.accepted_per_pos),
+        )
 
     def summary(self) -> dict:
         return {

@@ -39,7 +39,8 @@ def test_errors_name_the_key_the_value_and_what_works(value, message):
 
 def test_cli_flag():
     parser = build_parser()
-    ns = parse_args(parser, ["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    flag = '{"method": "ngram", "num_speculative_tokens": 3}'
+    ns = parse_args(parser, ["generate", "hi", "--speculative-config", flag])
     args = engine_args_from(ns)
     assert SpeculativeConfig.parse(args.speculative_config).num_speculative_tokens == 3
 
