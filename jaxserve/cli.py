@@ -119,11 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), spec-decode (speculative decoding vs none)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.bench import ablation, latency, load, suite, sweep, throughput
+    from jaxserve.bench import ablation, latency, load, spec_decode, suite, sweep, throughput
 
-    for bench_module in (throughput, latency, ablation, sweep, suite, load):
+    for bench_module in (throughput, latency, ablation, sweep, suite, load, spec_decode):
         bench_module.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve

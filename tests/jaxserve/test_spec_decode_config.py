@@ -70,3 +70,15 @@ def test_metrics_names_and_rates():
                              "jaxserve:spec_decode_num_accepted_tokens_per_pos"}
     per_pos = families["jaxserve:spec_decode_num_accepted_tokens_per_pos"].samples
     assert [(x.labels["position"], x.value) for x in per_pos] == [("0", 2.0), ("1", 2.0), ("2", 0.0)]
+
+
+def test_bench_spec_decode_parses_and_describes():
+    from jaxserve.bench.spec_decode import describe
+
+    ns = parse_args(build_parser(), ["bench", "spec-decode", "--speculative-config", '{"method": "ngram", '
+                                     '"num_speculative_tokens": 3}', "--output-len", "50"])
+    assert ns.output_len == 50 and SpeculativeConfig.parse(ns.speculative_config).method == "ngram"
+    res = {"spec_tokens_per_s": 60.0, "plain_tokens_per_s": 35.0, "speedup": 60 / 35, "identical_tokens": True,
+           "spec_decode": {"acceptance_rate": 0.6, "mean_acceptance_length": 2.9, "acceptance_rate_per_pos": [0.7]},
+           "loop_ms_per_step": {"spec": {"host": 5.0, "wait": 37.0, "steps": 3}}}
+    assert "1.71x" in describe(res) and "mean acceptance length 2.90" in describe(res)
