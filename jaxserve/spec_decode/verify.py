@@ -63,7 +63,7 @@ class VerifyRunner:
         if not any(seq.num_spec_tokens for seq in sched.seqs):
             return self.runner.dispatch(sched)
         r = self.runner
-        t, s, b = r._shapes_for(sched)
+        t, s, b = r._shapes_for(sched)[:3]  # a verify step is never decode-only (main's 4th value)
         x = build_step_inputs(
             sched.seqs, num_tokens_padded=t, num_seqs_padded=s, block_width=b, block_size=r.block_size,
             num_blocks=r.num_blocks,
