@@ -262,6 +262,25 @@ class KVCacheManager:
                 else:
                     self.free_queue.append(block)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past the first ``num_tokens`` slots: after a verify step, the slots of
+        rejected proposals. Such blocks hold no computed token, so they are never hashed; they go to the front."""
+        req_id = request.request_id
+        blocks = self._req_blocks.get(req_id)
+        if blocks is None:
+            return
+        keep = max(self.num_blocks_for(num_tokens), self._req_num_cached[req_id])
+        block_ids = self._req_block_ids[req_id]
+        while len(blocks) > keep:
+            block = blocks.pop()
+            block_ids.pop()
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.append_front(block)
+                else:
+                    self.free_queue.append(block)
+
     def get_block_ids(self, request: Request) -> list[int]:
         """The request's block table. The manager's own list: read only, and valid until the next
         allocate/free of this request (it grows in place as the request does)."""

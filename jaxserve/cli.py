@@ -32,6 +32,8 @@ _HELP = {
     "the config)",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
     "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'',
     "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
     "runner": "generate (an LM), pooling (embeddings: LLM.embed, /v1/embeddings) or auto (pooling for a "
     "sentence-transformers, BERT-family or bare *Model decoder checkpoint, else generate)",
@@ -52,6 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         hint = hints[f.name]
         base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Union else hint
         help_text = _HELP.get(f.name, "") + (f" (default: {f.default})" if f.default not in (None, False) else "")
+        if f.name == "speculative_config":
+            base = str  # JSON, parsed by jaxserve.spec_decode.config
         if base is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
@@ -118,11 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s), spec-decode (speculative decoding vs none)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.bench import ablation, embed, latency, load, suite, sweep, throughput
+    from jaxserve.bench import ablation, embed, latency, load, spec_decode, suite, sweep, throughput
 
-    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed):
+    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed, spec_decode):
         bench_module.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve

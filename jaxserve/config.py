@@ -64,6 +64,9 @@ class EngineArgs:
     # sentence-transformers directory, a BERT-family encoder or a bare *Model decoder is pooling).
     runner: str = "auto"
     task: Optional[str] = None  # vLLM's older spelling: "embed" means runner="pooling", "generate" generate
+    # Speculative decoding, as vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
+    # "prompt_lookup_min"/"prompt_lookup_max" (ngram), "model" (draft_model)}; a JSON string from the CLI.
+    speculative_config: Optional[Any] = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -123,6 +126,9 @@ class EngineArgs:
             raise bad("task", f"choose one of {TASKS} (or set runner= instead)")
         if self.max_logprobs < 0 or self.max_logprobs > 20:
             raise bad("max_logprobs", "must be in [0, 20]")
+        from jaxserve.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # raises, naming the key, the value and what works
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,7 +171,9 @@ class DPEngine:
 
     def get_stats(self) -> EngineStats:
         stats = [r.get_stats() for r in self.replicas]
-        summed = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)}
+        summed = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
+                  if f.name != "spec_accepted_per_pos"}
+        summed["spec_accepted_per_pos"] = tuple(map(sum, zip(*(s.spec_accepted_per_pos for s in stats))))
         summed["kv_cache_usage"] = summed["kv_cache_usage"] / len(stats)  # every replica has the same cache size
         return EngineStats(**summed)
 

@@ -33,6 +33,7 @@ class EngineComponents:
     scheduler: Any
     parallel_config: ParallelConfig = ParallelConfig()
     mesh: Any = None  # this engine's (1, tp) device mesh
+    speculator: Any = None  # jaxserve.spec_decode.speculator.Speculator when speculative_config is set
 
 
 def enable_compilation_cache(cache_dir: Optional[str]) -> Optional[str]:
@@ -148,6 +149,7 @@ def build_engine_components(
     if before_warmup is not None:
         before_warmup()
     compile_s = runner.warmup(progress=progress)
+    speculator = _speculator(args, runner, text_config, platform, mesh, progress)
     logger.info(
         "jaxserve ready: %s (%s, %s, tp=%d on %s) %.2f GB of weights loaded in %.1fs (%.2f GB/s), tokenizer %.1fs, "
         "%d KV blocks, %d of %d step shapes compiled in %.1fs (precompile=%s; the rest compile on first use)",
@@ -160,8 +162,25 @@ def build_engine_components(
         eos.add(int(tokenizer.eos_token_id))
     return EngineComponents(
         args, model_config, cache_config, scheduler_config, runner_config, text_config, tokenizer,
-        tuple(sorted(eos)), runner, scheduler, ParallelConfig(tp, args.data_parallel_size), mesh,
+        tuple(sorted(eos)), runner, scheduler, ParallelConfig(tp, args.data_parallel_size), mesh, speculator,
     )
+
+
+def _speculator(args: EngineArgs, runner: Any, text_config: Any, platform: str, mesh: Any, progress: bool) -> Any:
+    """The speculative-decoding parts (proposer, verify step), or None when speculative_config is unset."""
+    from jaxserve.spec_decode.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(args.speculative_config)
+    if config is None:
+        return None
+    from jaxserve.spec_decode.speculator import Speculator
+
+    draft = None
+    if config.method == "draft_model":
+        from jaxserve.spec_decode.draft_model import DraftProposer
+
+        draft = DraftProposer.build(config, args, runner, text_config, mesh, progress)
+    return Speculator(config, runner, draft)
 
 
 def _tokenizer_or_none(path: str, fmt: str, tokenizer: Optional[str]):

@@ -45,6 +45,11 @@ class EngineStats:
     num_prompt_tokens: int  # cumulative, prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int  # cumulative
     num_preemptions: int  # cumulative
+    # Speculative decoding (cumulative; 0 and () without it), as vLLM's spec_decode counters.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [k]: drafts whose proposal j was accepted
 
 
 class LLMEngine:
@@ -63,6 +68,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(self.model_config.seed)
         self.async_scheduling = self.args.async_scheduling
+        self.speculator = c.speculator  # None unless speculative_config is set (jaxserve.spec_decode)
         self._in_flight: Optional[tuple[SchedulerOutput, StepHandle]] = None  # dispatched, not yet read
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
@@ -186,6 +192,11 @@ class LLMEngine:
         """Dispatch the next model step, then read back the previous one; returns the outputs of the
         requests that progressed (with async scheduling off, of the step just run)."""
         start = time.perf_counter()
+        if self.speculator is not None:
+            outputs = self._speculative_step()
+            self.loop_time["steps"] += 1
+            self.loop_time["total_s"] += time.perf_counter() - start
+            return outputs
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self.scheduler.has_pending_penalty_rows():
             # Penalties read the whole history on the host: let the in-flight token arrive first.
@@ -205,14 +216,32 @@ class LLMEngine:
         self.loop_time["total_s"] += time.perf_counter() - start
         return outputs
 
+    def _speculative_step(self) -> list[RequestOutput]:
+        """Schedule, verify the proposals, read back, propose again: one step at a time, since the next step's
+        proposals depend on what this one accepts (jaxserve.spec_decode.speculator)."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self._count_prompt_tokens(sched)
+        outputs = self._finish(sched, self.speculator.dispatch(sched))
+        self.speculator.propose(self.scheduler.running, self.scheduler.kv)
+        return outputs
+
     def _finish(self, sched: SchedulerOutput, handle: "StepHandle") -> list[RequestOutput]:
         """Read a dispatched step's tokens back and apply them: stops, detokenizing, outputs."""
         wait_start = time.perf_counter()
-        runner_out = self.runner.fetch(handle)
+        if self.speculator is not None:
+            runner_out = self.speculator.fetch(sched, handle)
+            before = sum(r.num_output_tokens for r in sched.requests)
+        else:
+            runner_out = self.runner.fetch(handle)
         self.loop_time["wait_s"] += time.perf_counter() - wait_start
         rows = {seq.req_id: i for i, seq in enumerate(sched.seqs) if seq.sample}
         updated = self.scheduler.update_from_output(sched, runner_out)
-        self.num_generation_tokens += len(updated)
+        if self.speculator is not None:  # several tokens a row
+            self.num_generation_tokens += sum(r.num_output_tokens for r in sched.requests) - before
+        else:
+            self.num_generation_tokens += len(updated)
         outputs, stopped = self.output_processor.process(updated, rows, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -237,6 +266,7 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=getattr(s, "num_preemptions", 0),
+            **(self.speculator.stats.engine_stats() if self.speculator is not None else {}),
         )
 
     def info(self) -> dict[str, Any]:
@@ -258,4 +288,5 @@ class LLMEngine:
             "async_scheduling": self.async_scheduling,
             "tensor_parallel_size": self.runner.mesh.shape["model"],
             "data_parallel_size": 1,
+            "speculative_config": None if self.speculator is None else dataclasses.asdict(self.speculator.config),
         }

@@ -24,6 +24,7 @@ class SampleState:
     cumulative_logprob: Optional[float] = None
     stop_reason: Optional[int | str] = None
     finish_reason: Optional[str] = None
+    num_processed: int = 0  # output tokens already detokenized and given logprobs
 
     def completion(self) -> CompletionOutput:
         req = self.request
@@ -105,15 +106,22 @@ class OutputProcessor:
             group, state = entry
             if group.first_token_time is None and req.output_token_ids:
                 group.first_token_time = now
-            token = req.output_token_ids[-1] if req.output_token_ids else None
-            if token is not None and runner_out is not None and req.request_id in rows:
-                self._add_logprobs(state, token, rows[req.request_id], runner_out)
-            if state.detokenizer is not None and token is not None:
-                state.detokenizer.update([token])
-                if state.detokenizer.stop_string is not None and not req.is_finished:
-                    stopped_by_string.append(req.request_id)
-                    state.finish_reason = "stop"
-                    state.stop_reason = state.detokenizer.stop_string
+            # One new token a step, or several with speculative decoding: each is processed as if alone.
+            new_tokens = req.output_token_ids[state.num_processed :]
+            stride = runner_out.logprobs_stride if runner_out is not None else 1
+            for j, token in enumerate(new_tokens):
+                state.num_processed += 1
+                if runner_out is not None and req.request_id in rows:
+                    self._add_logprobs(state, token, rows[req.request_id] * stride + j, runner_out)
+                if state.detokenizer is not None:
+                    state.detokenizer.update([token])
+                    # A stop string before the step's last token wins over a stop the scheduler saw later.
+                    if state.detokenizer.stop_string is not None and (not req.is_finished or j + 1 < len(new_tokens)):
+                        stopped_by_string.append(req.request_id)
+                        state.finish_reason = "stop"
+                        state.stop_reason = state.detokenizer.stop_string
+                        req.truncate_output(state.num_processed)  # what the step emitted past the stop
+                        break
             if req.is_finished and state.finish_reason is None:
                 state.finish_reason = req.status.finish_reason
                 state.stop_reason = req.stop_reason

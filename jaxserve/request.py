@@ -72,6 +72,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks (prefix cache)
+        # Speculative decoding: proposed next tokens for the next step to verify (set by the proposer after
+        # each step, used up when scheduled).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +100,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep the first ``num_output_tokens`` outputs: a stop string ended the request inside a step that
+        emitted several tokens (speculative decoding), and the tokens after it are not part of the output."""
+        cut = self.num_output_tokens - num_output_tokens
+        if cut > 0:
+            del self.output_token_ids[-cut:]
+            del self.all_token_ids[-cut:]
 
     def __repr__(self) -> str:
         return (

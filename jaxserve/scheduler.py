@@ -168,6 +168,9 @@ class Scheduler:
             if num_new <= 0 or self._reaches_limit(request):
                 i += 1  # its pending token ends it (or nothing to do until results are back)
                 continue
+            spec = self._spec_tokens(request, num_new, budget)
+            if spec and not self.kv.allocate_slots(request, num_new + len(spec)):
+                spec = []  # no room for the proposals: an ordinary decode, which may preempt as usual
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -175,8 +178,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                seqs.append(self._scheduled_seq(request, num_new, row=len(seqs)))
-                budget -= num_new
+                seqs.append(self._scheduled_seq(request, num_new, row=len(seqs), spec=spec))
+                budget -= num_new + len(spec)
                 i += 1
 
         # Then waiting ones, FIFO. Not after a preemption: the cache is full, and admitting now would
@@ -220,8 +223,17 @@ class Scheduler:
                 continue
             if seq.sample:
                 request.num_pending_tokens -= 1
-                request.append_output_token(runner_out.sampled_token_ids[row])
-                self._check_stop(request)
+                emitted = runner_out.emitted_token_ids
+                tokens = emitted[row] if emitted is not None else (runner_out.sampled_token_ids[row],)
+                for token in tokens:  # one, or with speculation the accepted proposals and one more
+                    request.append_output_token(token)
+                    self._check_stop(request)
+                    if request.is_finished:
+                        break  # tokens past a stop or a length limit are dropped
+                if seq.num_spec_tokens:
+                    # Roll back the rejected proposals: their KV is not the sequence's, and their slots go back.
+                    request.num_computed_tokens -= seq.num_spec_tokens - (len(tokens) - 1)
+                    self.kv.free_tail(request, request.num_computed_tokens + 1)
                 updated.append(request)
             # Before freeing: a finished request's blocks stay revivable for a follow-up turn.
             if request.status == RequestStatus.RUNNING or request.is_finished:
@@ -259,8 +271,25 @@ class Scheduler:
             num_new = self.long_prefill_token_threshold
         return min(num_new, budget)
 
-    def _scheduled_seq(self, request: Request, num_new: int, row: int) -> ScheduledSeq:
-        """The request's share of this step; advances its accounting as if the step had already run."""
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposals this decode step verifies: the request's, cut to what the budget, max_model_len and
+        max_tokens leave (each step emits at most len(proposals) + 1 tokens). Only a plain decode with nothing in
+        flight verifies proposals: a prefill chunk or a token still pending takes none."""
+        spec = request.spec_token_ids
+        caught_up = request.num_computed_tokens == request.num_tokens - 1
+        decoding = num_new == 1 and not request.num_pending_tokens and caught_up
+        if not spec or not decoding:
+            return []
+        room = min(budget - 1, self.max_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return spec[: max(room, 0)]
+
+    def _scheduled_seq(self, request: Request, num_new: int, row: int, spec: list[int] = ()) -> ScheduledSeq:
+        """The request's share of this step; advances its accounting as if the step had already run. ``spec``:
+        proposals verified after its last token (their slots are allocated; rejected ones are rolled back)."""
+        request.spec_token_ids = []  # used now, or dropped: the proposer makes new ones after each step
         start = request.num_computed_tokens
         end = start + num_new
         known = request.num_tokens
@@ -269,7 +298,7 @@ class Scheduler:
         assert num_placeholders <= 1 and num_placeholders <= request.num_pending_tokens, request
         seq = ScheduledSeq(
             req_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + [-1] * num_placeholders,
+            token_ids=request.all_token_ids[start:end] + [-1] * num_placeholders + list(spec),
             start_pos=start,
             block_ids=self.kv.get_block_ids(request),
             sample=end == request.num_tokens_with_pending,
@@ -281,8 +310,9 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             num_placeholders=num_placeholders,
             prev_row=request.pending_row if num_placeholders else -1,
+            num_spec_tokens=len(spec),
         )
-        request.num_computed_tokens = end
+        request.num_computed_tokens = end + len(spec)
         if seq.sample:
             request.num_pending_tokens += 1
             request.pending_row = row
@@ -290,6 +320,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

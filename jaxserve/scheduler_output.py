@@ -27,6 +27,9 @@ class ScheduledSeq:
     eos_token_ids: tuple[int, ...] = ()  # banned (with stop_token_ids) until min_tokens are generated
     num_placeholders: int = 0  # 0 or 1: trailing token_ids to take from the previous step's samples
     prev_row: int = -1  # with a placeholder: the row of this sequence in the previous step's samples
+    # Speculative decoding: the trailing ``num_spec_tokens`` of token_ids are proposals to verify, not yet part
+    # of the sequence; the step scores each of them and returns the accepted ones plus one more token.
+    num_spec_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -56,3 +59,8 @@ class ModelRunnerOutput:
     sampled_ranks: list[int] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Speculative decoding: per row, every token the step emitted (accepted proposals, then one sampled token;
+    # sampled_token_ids holds the first). The logprob lists then have ``logprobs_stride`` entries per row:
+    # row r's j-th emitted token is entry r * logprobs_stride + j.
+    emitted_token_ids: list[list[int]] | None = None
+    logprobs_stride: int = 1

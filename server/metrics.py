@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -45,6 +45,28 @@ class _EngineGauges(Collector):
             g = GaugeMetricFamily(name, doc, labels=label)
             g.add_metric([self.model_name], float(value))
             yield g
+        if stats.spec_accepted_per_pos:  # speculative decoding is on
+            yield from _spec_decode_metrics(stats, self.model_name)
+
+
+def _spec_decode_metrics(stats, model_name: str):
+    """vLLM's spec-decode counters; acceptance rate = accepted / draft tokens, mean acceptance length =
+    1 + accepted / drafts (per position: accepted_per_pos / drafts)."""
+    for name, doc, value in (
+        ("jaxserve:spec_decode_num_drafts", "Sequences verified with proposals.", stats.spec_num_drafts),
+        ("jaxserve:spec_decode_num_draft_tokens", "Proposed tokens verified.", stats.spec_num_draft_tokens),
+        ("jaxserve:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", stats.spec_num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([model_name], float(value))
+        yield c
+    c = CounterMetricFamily(
+        "jaxserve:spec_decode_num_accepted_tokens_per_pos", "Accepted proposals, by position in the draft.",
+        labels=["model_name", "position"],
+    )
+    for pos, value in enumerate(stats.spec_accepted_per_pos):
+        c.add_metric([model_name, str(pos)], float(value))
+    yield c
 
 
 class ServerMetrics(EngineObserver):

@@ -89,9 +89,12 @@ def measure(llm, work: list) -> dict:
     one(work[0])
     loop = getattr(llm.llm_engine, "loop_time", None)  # host vs waiting-for-device split (one engine)
     before = dict(loop) if loop else None
+    spec = getattr(llm.llm_engine, "speculator", None)
+    spec_before = spec.stats.engine_stats() if spec is not None else None
     runs = [one(w) for w in work[1:]]
     steps = {k: loop[k] - before[k] for k in loop} if loop else None
     return {
+        **({"spec_decode": spec_decode_summary(spec_before, spec.stats.engine_stats())} if spec is not None else {}),
         "loop_ms_per_step": None if not steps or not steps["steps"] else {
             "total": 1e3 * steps["total_s"] / steps["steps"],
             "host": 1e3 * (steps["total_s"] - steps["wait_s"]) / steps["steps"],
@@ -102,6 +105,20 @@ def measure(llm, work: list) -> dict:
         "decode_tokens_per_s": statistics.median(r[1] for r in runs),
         "ttft_ms": statistics.median(r[2] for r in runs),
         "runs_tokens_per_s": [r[0] for r in runs],
+    }
+
+
+def spec_decode_summary(before: dict, after: dict) -> dict:
+    """vLLM's spec-decode figures over the timed requests (EngineStats' spec_* fields, before and after)."""
+    drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
+    proposed = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    per_pos = [a - b for a, b in zip(after["spec_accepted_per_pos"], before["spec_accepted_per_pos"])]
+    return {
+        "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+        "acceptance_rate_per_pos": [a / drafts if drafts else 0.0 for a in per_pos],
     }
 
 
@@ -128,6 +145,11 @@ def describe(res: dict) -> str:
         text += (f"; weight-read roofline {res['roofline']['tokens_per_s']:.1f} tok/s "
                  f"({res['roofline']['weight_bytes'] / 1e6:.1f} MB at {res['roofline']['copy_bytes_per_s'] / 1e12:.3f} TB/s): "
                  f"{100 * res['roofline_fraction']:.0f}% reached")
+    if "spec_decode" in res:
+        sd = res["spec_decode"]
+        text += (f"\nspeculative decoding: {sd['num_drafts']} drafts, acceptance rate {sd['acceptance_rate']:.3f}, "
+                 f"mean acceptance length {sd['mean_acceptance_length']:.2f}, per position "
+                 + " ".join(f"{a:.2f}" for a in sd["acceptance_rate_per_pos"]))
     if "hf" in res:
         text += f"\nHF transformers generate, same prompts one at a time: {res['hf']['tokens_per_s']:.1f} tok/s -> jaxserve is {res['speedup_vs_hf']:.2f}x"
     return text

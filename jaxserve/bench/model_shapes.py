@@ -36,6 +36,13 @@ SHAPES = {
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=151643, eos_token_id=151643, hidden_act="silu", torch_dtype="bfloat16",
     ),
+    # Llama-3.2-1B's shape: the 8B's vocabulary, so it can be the 8B's draft model (speculative decoding).
+    "llama3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=128000, eos_token_id=128001, hidden_act="silu", torch_dtype="bfloat16",
+    ),
 }
 
 

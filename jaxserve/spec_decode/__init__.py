@@ -1,0 +1,10 @@
+"""Speculative decoding: a cheap proposer guesses k tokens, the target checks them in one step.
+
+One job per module:
+- ``config``: ``SpeculativeConfig`` (vLLM's ``speculative_config`` keys), parsed and validated once.
+- ``ngram``: prompt-lookup proposals on the host.
+- ``draft_model``: proposals from a smaller model with its own KV cache, sharing the target's block tables.
+- ``rejection``: the pure on-device acceptance rule (greedy prefix match; rejection sampling).
+- ``verify``: the jitted verify step (proposals are extra query tokens of a sequence in the ragged batch).
+- ``stats``: the counters behind vLLM's spec-decode metrics.
+"""

@@ -1,0 +1,176 @@
+"""Draft-model proposals: a smaller model with the target's tokenizer guesses k tokens greedily.
+
+The draft has its own ModelRunner (its own weights, KV cache and bucketed, jitted steps) with as many KV
+blocks as the target, and it writes its KV through the *target's* block tables: the target's block manager
+decides where every position lives, and no second allocator has to agree with it.
+
+What the draft's cache holds is tracked per request (``_DraftState``): positions below ``valid`` hold the
+draft's KV of the request's real tokens. Each round first catches up (runs the tokens from ``valid`` to the
+last known one, in chunks of the draft's token budget; the last chunk's sample is proposal 0), then feeds
+proposal j at position N + j to get proposal j + 1. Positions N.. then hold proposals; after verification only
+those equal to the tokens the target accepted stay valid (the prefix of proposals matching the sequence), so
+the draft's cache is consistent after any rejection. A rejected proposal's slot may be handed to another
+request, but positions counted valid are never among them (they lie before the target's computed length).
+A request the prefix cache served, or one that was preempted, starts from 0: the draft recomputes its prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler_output import ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger("jaxserve")
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclasses.dataclass
+class _DraftState:
+    num_preemptions: int  # the request's count when this was recorded: a preemption frees the blocks
+    valid: int  # positions [0, valid) of the draft cache hold the draft KV of the request's tokens
+    proposal_start: int = 0  # position of the first proposal made last round
+    fed: list = dataclasses.field(default_factory=list)  # proposals whose KV the draft wrote (all but the last)
+
+
+class DraftProposer:
+    def __init__(self, runner, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.runner = runner  # the draft's ModelRunner
+        self.budget = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self._states: dict[str, _DraftState] = {}
+
+    @classmethod
+    def build(cls, config, args, target_runner, target_text_config, mesh, progress: bool) -> "DraftProposer":
+        """Load the draft checkpoint beside the target (same dtype, mesh and KV block layout)."""
+        import jax.numpy as jnp
+
+        from jaxserve import sharding
+        from jaxserve.model_loader import load_model, resolve_model_path
+        from jaxserve.model_runner import ModelRunner
+        from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn
+
+        rc = target_runner.runner_config
+        if rc.platform != "cpu" and args.num_gpu_blocks_override is None:
+            raise ValueError(
+                "speculative_config method='draft_model' on an accelerator needs --num-gpu-blocks-override: the "
+                "target's KV cache is sized first and would leave no memory for the draft's (it has as many blocks); "
+                "e.g. --num-gpu-blocks-override 4096 (65k tokens of 16)"
+            )
+        attention_fn = get_attention_fn(rc.attention_backend, rc.platform)
+        if mesh.shape["model"] > 1 and rc.attention_backend not in GATHER_BACKENDS:
+            attention_fn = sharding.shard_attention(attention_fn, mesh)
+        # A dummy-weight target (benchmarks) gets a dummy-weight draft of the shape config.model's config.json gives.
+        path, fmt = resolve_model_path(config.model, "dummy" if args.load_format == "dummy" else "auto")
+        mc = target_runner.model_config
+        model, text_config = load_model(
+            path, fmt, dtype=jnp.dtype(mc.dtype), attention_fn=attention_fn, seed=args.seed,
+            shardings_fn=sharding.shardings_fn(mesh), fp32_matmul_precision=mc.fp32_matmul_precision, progress=progress,
+        )
+        if text_config.vocab_size != target_text_config.vocab_size:
+            raise ValueError(
+                f"speculative_config model={config.model!r} has vocab_size={text_config.vocab_size}, but the target "
+                f"has vocab_size={target_text_config.vocab_size}: a draft model must share the target's tokenizer "
+                "(e.g. a smaller model of the same family)"
+            )
+        if text_config.max_position_embeddings < mc.max_model_len:
+            raise ValueError(
+                f"speculative_config model={config.model!r} has max_position_embeddings="
+                f"{text_config.max_position_embeddings} < max_model_len={mc.max_model_len}: lower --max-model-len"
+            )
+        cache = dataclasses.replace(target_runner.cache_config, num_gpu_blocks_override=target_runner.num_blocks)
+        draft_mc = dataclasses.replace(
+            mc, model=path, model_format=fmt, served_model_name=f"{mc.served_model_name}-draft"
+        )
+        sc = target_runner.scheduler_config
+        runner = ModelRunner(model, text_config, draft_mc, cache, sc, rc, mesh=mesh)
+        runner.warmup(progress=progress)
+        logger.info("draft model %s: %d KV blocks (the target's layout)", path, runner.num_blocks)
+        return cls(runner, sc.max_num_batched_tokens, sc.max_num_seqs)
+
+    def propose(self, requests: list[Request], k: int, kv) -> None:
+        """Set ``spec_token_ids`` (k greedy draft tokens) on each request that has room for them."""
+        live = {r.request_id for r in requests}
+        self._states = {rid: s for rid, s in self._states.items() if rid in live}
+        todo = []
+        for r in requests:
+            # Slots up to position N + k - 2 (proposal j is fed at N + j, j < k - 1); the target's verify step
+            # needs the same ones, so this only moves its allocation earlier.
+            if not kv.allocate_slots(r, k):
+                continue
+            todo.append((r, self._valid(r), kv.get_block_ids(r)))
+        if not todo:
+            return
+        # The usual round needs no read-back until the end: one catch-up step (each request's few new tokens),
+        # then k-1 one-token steps, dispatched back to back, each taking its input token on the device from the
+        # step before (the runner's placeholders). Only a long catch-up (a prompt) runs in chunks first.
+        single = sum(r.num_tokens - valid for r, valid, _ in todo) <= self.budget and len(todo) <= self.max_seqs
+        handles, proposals = [], {r.request_id: [] for r, _, _ in todo}
+        if single:
+            seqs = [_seq(r, r.all_token_ids[valid:], valid, blocks) for r, valid, blocks in todo]
+            handles.append(self._dispatch(seqs))
+        else:
+            proposals = self._catch_up(todo)
+        for j in range(1, k):
+            seqs = []
+            for i, (r, _, blocks) in enumerate(todo):
+                on_device = single or j > 1
+                seq = _seq(r, [-1 if on_device else proposals[r.request_id][0]], r.num_tokens + j - 1, blocks)
+                if on_device:
+                    seq.num_placeholders, seq.prev_row = 1, i
+                seqs.append(seq)
+            handles.append(self._dispatch(seqs))
+        for handle in handles:
+            for (r, _, _), token in zip(todo, self.runner.fetch(handle).sampled_token_ids):
+                proposals[r.request_id].append(token)
+        for r, _, _ in todo:
+            r.spec_token_ids = proposals[r.request_id]
+            self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens,
+                                                     proposals[r.request_id][:-1])
+
+    def _valid(self, r: Request) -> int:
+        """How many leading positions of the draft cache hold this request's real tokens now."""
+        s = self._states.get(r.request_id)
+        if s is None or s.num_preemptions != r.num_preemptions:
+            return 0
+        real = r.all_token_ids[s.proposal_start : s.proposal_start + len(s.fed)]
+        matched = 0
+        while matched < len(real) and real[matched] == s.fed[matched]:
+            matched += 1
+        return min(s.valid + matched, r.num_tokens - 1)
+
+    def _catch_up(self, todo) -> dict[str, list[int]]:
+        """Run every request's tokens from its valid length to its last token, in steps within the draft's
+        budget; the sample at the last token is proposal 0."""
+        cursor = {r.request_id: valid for r, valid, _ in todo}
+        proposals: dict[str, list[int]] = {}
+        while len(proposals) < len(todo):
+            seqs, budget = [], self.budget
+            for r, _, blocks in todo:
+                start = cursor[r.request_id]
+                if r.request_id in proposals or budget <= 0 or len(seqs) == self.max_seqs:
+                    continue
+                end = min(r.num_tokens, start + budget)
+                seqs.append(_seq(r, r.all_token_ids[start:end], start, blocks, sample=end == r.num_tokens))
+                budget -= end - start
+                cursor[r.request_id] = end
+            for seq, token in zip(seqs, self._run(seqs)):
+                if seq.sample:
+                    proposals[seq.req_id] = [token]
+        return proposals
+
+    def _dispatch(self, seqs: list[ScheduledSeq]):
+        return self.runner.dispatch(SchedulerOutput(seqs=seqs, num_batched_tokens=sum(len(s.token_ids) for s in seqs)))
+
+    def _run(self, seqs: list[ScheduledSeq]) -> list[int]:
+        return self.runner.fetch(self._dispatch(seqs)).sampled_token_ids
+
+
+def _seq(r: Request, token_ids: list[int], start: int, blocks: list[int], sample: bool = True) -> ScheduledSeq:
+    return ScheduledSeq(
+        req_id=r.request_id, token_ids=list(token_ids), start_pos=start, block_ids=blocks, sample=sample,
+        sampling_params=_GREEDY, seed=0, num_output_tokens=0, history=[], num_prompt_tokens=r.num_prompt_tokens,
+    )

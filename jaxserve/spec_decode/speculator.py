@@ -1,0 +1,62 @@
+"""Speculator: what the engine holds when speculative decoding is on (proposer + verify step + statistics).
+
+The loop with speculation runs one step at a time (schedule, verify, read back, propose): the next step's
+proposals depend on which tokens this step accepted, so it cannot be dispatched before this one is read.
+Without ``speculative_config`` the asynchronous loop is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.ngram import NgramProposer
+from jaxserve.spec_decode.stats import SpecDecodeStats
+from jaxserve.spec_decode.verify import VerifyRunner
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, runner, draft: Optional[object] = None) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.verifier = VerifyRunner(runner, self.k, config.forced_acceptance_length)
+        self.ngram = None
+        if config.method == "ngram":
+            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft = draft  # a DraftProposer for method "draft_model"
+        self.stats = SpecDecodeStats(self.k)
+
+    def dispatch(self, sched: SchedulerOutput):
+        return self.verifier.dispatch(sched)
+
+    def fetch(self, sched: SchedulerOutput, handle) -> ModelRunnerOutput:
+        out = self.verifier.fetch(handle)
+        for row, seq in enumerate(sched.seqs):
+            if seq.num_spec_tokens and not sched.requests[row].is_finished:
+                self.stats.record(seq.num_spec_tokens, len(out.emitted_token_ids[row]) - 1)
+        return out
+
+    def propose(self, running: list[Request], kv) -> None:
+        """Set ``spec_token_ids`` of every running request that decodes next step and may speculate."""
+        eligible = [r for r in running if r.status == RequestStatus.RUNNING and _may_speculate(r)]
+        if self.ngram is not None:
+            pad = self.config.forced_acceptance_length is not None  # benchmarks: always verify k proposals
+            for r in eligible:
+                proposal = self.ngram.propose(r.all_token_ids, self.k)
+                r.spec_token_ids = (proposal + [r.all_token_ids[-1]] * self.k)[: self.k] if pad else proposal
+        elif self.draft is not None:
+            self.draft.propose(eligible, self.k, kv)
+
+
+def _may_speculate(r: Request) -> bool:
+    """Decoding next (prompt done, nothing in flight), and no setting that reads the history mid-step:
+    penalties, or min_tokens' bans on stop tokens."""
+    sp = r.sampling_params
+    return (
+        r.num_computed_tokens == r.num_tokens - 1
+        and not r.num_pending_tokens
+        and not sp.uses_penalties
+        and r.num_output_tokens >= sp.min_tokens
+    )

@@ -1,0 +1,138 @@
+"""The verify step: one jitted call scores every proposal of every sequence and decides what is accepted.
+
+A sequence with k proposals is scheduled with 1 + k query tokens (its last known token, then the
+proposals), so the ragged batch and the attention kernels are the ordinary ones; only the logits differ:
+K+1 rows per sequence (``logits_idx`` [S, K+1]) instead of one, and ``rejection.accept`` picks the tokens on
+the device. One transfer brings back the tokens [S, K+1] and their count [S] (plus logprobs if asked).
+
+This module shares the ModelRunner's weights and KV cache (the step donates the cache and hands it back to
+the runner), and reuses its input packing; a step in which nobody has proposals goes through the runner's
+own step unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.batch_builder import build_step_inputs
+from jaxserve.model_runner import ModelRunner, pack_inputs, unpack_inputs
+from jaxserve.sampler import _with_logprobs
+from jaxserve.sampling_metadata import SamplingMetadata
+from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.spec_decode.rejection import accept
+
+
+def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec, md):
+    """(params, cache, packed batch, spec_rows [4, R], num_spec [S], md of R rows) ->
+    (tokens [S, K+1], num_emitted [S], logprob outputs of the R rows or None, new cache)."""
+    input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields)
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    hidden, kv_caches = model(input_ids, kv_caches, attn_md)  # [T, E]
+    logits = model.compute_logits(hidden[spec_rows[0]])  # [R, V] f32: only the positions that score something
+    tokens, num_emitted, emitted = accept(logits, spec_rows[1:], num_spec, md, k, forced)
+    lp = _with_logprobs(logits, emitted) if md.needs_logprobs else None
+    return tokens, num_emitted, lp, kv_caches
+
+
+@dataclasses.dataclass
+class VerifyHandle:
+    tokens: jax.Array  # [S, K+1] i32, on the device until fetched
+    num_emitted: jax.Array  # [S] i32
+    logprobs: object  # SamplerOutput of the R logits rows, or None
+    row_start: np.ndarray  # [S_real]: each sequence's first logits row
+    num_rows: int
+
+
+class VerifyRunner:
+    """Runs verify steps over a ModelRunner's weights and KV cache, for ``k`` proposals per sequence at most."""
+
+    def __init__(self, runner: ModelRunner, k: int, forced_acceptance_length: int | None = None) -> None:
+        self.runner = runner
+        self.k = k
+        verify = functools.partial(_verify, runner.graphdef, runner._treedef, k, forced_acceptance_length)
+        self._step = jax.jit(verify, donate_argnums=1)
+
+    def dispatch(self, sched: SchedulerOutput):
+        """Launch the step; without any proposal in it, the runner's own step (its output has one token a row)."""
+        if not any(seq.num_spec_tokens for seq in sched.seqs):
+            return self.runner.dispatch(sched)
+        r = self.runner
+        t, s, b = r._shapes_for(sched)[:3]  # a verify step is never decode-only (main's 4th value)
+        x = build_step_inputs(
+            sched.seqs, num_tokens_padded=t, num_seqs_padded=s, block_width=b, block_size=r.block_size,
+            num_blocks=r.num_blocks,
+        )
+        counts = np.array([seq.num_spec_tokens + 1 for seq in sched.seqs], np.int32)  # logits rows per sequence
+        row_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)  # [S_real]
+        num_rows = _row_bucket(int(counts.sum()))
+        # [4, R]: token index in the flat batch | proposal scored there (-1: none) | sequence | position j.
+        spec_rows = np.zeros((4, num_rows), np.int32)
+        spec_rows[1] = -1
+        spec_rows[2] = s  # padding rows belong to no sequence: dropped
+        num_spec = np.zeros(s, np.int32)  # [S]
+        for i, seq in enumerate(sched.seqs):
+            n, r0 = seq.num_spec_tokens, row_start[i]
+            last = int(x.query_start_loc[i + 1]) - 1
+            spec_rows[0, r0 : r0 + n + 1] = np.arange(last - n, last + 1)
+            spec_rows[1, r0 : r0 + n] = seq.token_ids[len(seq.token_ids) - n :]
+            spec_rows[2, r0 : r0 + n + 1] = i
+            spec_rows[3, r0 : r0 + n + 1] = np.arange(n + 1)
+            num_spec[i] = n
+        md = _rows_metadata(SamplingMetadata.from_seqs(sched.seqs, s, r._history_len(sched)), counts, num_rows)
+        tokens, num_emitted, lp, r.kv_caches = self._step(
+            r.params, r.kv_caches, *pack_inputs(x), spec_rows, num_spec, md
+        )
+        r.num_steps += 1
+        return VerifyHandle(tokens, num_emitted, lp, row_start, len(sched.seqs))
+
+    def fetch(self, handle) -> ModelRunnerOutput:
+        """Read a step back: ``emitted_token_ids`` per row (a plain step's one token becomes a list of one)."""
+        if not isinstance(handle, VerifyHandle):
+            out = self.runner.fetch(handle)
+            return dataclasses.replace(out, emitted_token_ids=[[t] for t in out.sampled_token_ids])
+        tokens, num_emitted, lp = jax.device_get((handle.tokens, handle.num_emitted, handle.logprobs))
+        rows = handle.num_rows
+        emitted = [row[:n].tolist() for row, n in zip(np.asarray(tokens)[:rows], np.asarray(num_emitted)[:rows])]
+        out = ModelRunnerOutput(sampled_token_ids=[e[0] for e in emitted], emitted_token_ids=emitted)
+        if lp is None:
+            return out
+        # Logprob lists laid out with a stride of K+1 per sequence (ModelRunnerOutput.logprobs_stride).
+        stride = self.k + 1
+        where = np.zeros(rows * stride, np.int64)  # entry -> logits row (unused entries read row 0)
+        for i, e in enumerate(emitted):
+            where[i * stride : i * stride + len(e)] = handle.row_start[i] + np.arange(len(e))
+
+        def cut(a):
+            return np.asarray(a)[where].tolist()
+
+        return dataclasses.replace(
+            out, sampled_logprobs=cut(lp.sampled_logprobs), sampled_ranks=cut(lp.sampled_ranks),
+            top_token_ids=cut(lp.top_token_ids), top_logprobs=cut(lp.top_logprobs), logprobs_stride=stride,
+        )
+
+
+def _row_bucket(n: int) -> int:
+    """Logits rows, padded to a power of two (one compiled verify step per (T, B, R))."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _rows_metadata(md: SamplingMetadata, counts: np.ndarray, num_rows: int) -> SamplingMetadata:
+    """Each sequence's row repeated for its ``counts`` logits rows (position j's step + j), padded to ``num_rows``
+    with copies of row S-1 (padding rows' outputs are dropped)."""
+    seq_of_row = np.repeat(np.arange(len(counts)), counts)  # [R_real]
+    pos_of_row = np.arange(len(seq_of_row)) - np.repeat(np.cumsum(counts) - counts, counts)  # [R_real]
+    pad = num_rows - len(seq_of_row)
+    index = np.concatenate([seq_of_row, np.full(pad, md.num_rows - 1)])  # [R]
+    fields = {}
+    for f in dataclasses.fields(md):
+        value = getattr(md, f.name)
+        if isinstance(value, np.ndarray):
+            fields[f.name] = value[index]
+    fields["steps"] = fields["steps"] + np.concatenate([pos_of_row, np.zeros(pad, np.int64)]).astype(np.int32)
+    return dataclasses.replace(md, **fields)

@@ -1,0 +1,84 @@
+"""speculative_config parsing and errors, the CLI flag, the n-gram proposer, and the metrics' names."""
+
+import pytest
+
+from jaxserve.cli import build_parser, engine_args_from, parse_args
+from jaxserve.config import EngineArgs
+from jaxserve.llm_engine import EngineStats
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.ngram import NgramProposer
+from jaxserve.spec_decode.stats import SpecDecodeStats
+
+
+def test_parse_dict_and_json():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5})
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 1, 5)
+    c = SpeculativeConfig.parse('{"model": "/m", "num_speculative_tokens": 2}')
+    assert (c.method, c.model) == ("draft_model", "/m")
+    assert SpeculativeConfig.parse(None) is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, r"method='medusa' is not supported.*'ngram', 'draft_model'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"eagle is not implemented"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens=0 is invalid: give an integer >= 1"),
+    ({"method": "ngram"}, r"num_speculative_tokens=None is invalid"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"prompt_lookup_min=4 > prompt_lookup_max=2"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, r"needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, r"unknown keys \['lookahead'\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "forced_acceptance_length": 3}, r"forced_acceptance_length=3"),
+    ("{not json", r"not valid JSON"),
+])  # fmt: skip
+def test_errors_name_the_key_the_value_and_what_works(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(speculative_config=value).validate()
+
+
+def test_cli_flag():
+    parser = build_parser()
+    flag = '{"method": "ngram", "num_speculative_tokens": 3}'
+    ns = parse_args(parser, ["generate", "hi", "--speculative-config", flag])
+    args = engine_args_from(ns)
+    assert SpeculativeConfig.parse(args.speculative_config).num_speculative_tokens == 3
+
+
+def test_ngram_proposer():
+    p = NgramProposer(1, 3)
+    assert p.propose([1, 2, 3, 4, 9, 9, 2, 3], 3) == [4, 9, 9]  # "2 3" seen before, followed by 4 9 9
+    assert p.propose([1, 2, 3, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the most recent earlier copy of "1 2 3"
+    assert p.propose([5, 6, 7, 8], 3) == []
+    assert p.propose([5, 6, 5], 3) == [6, 5]  # what follows is shorter than k near the end
+    assert NgramProposer(2, 2).propose([1, 2, 3, 2], 2) == []  # "3 2" never seen; a 1-gram is not tried
+
+
+def test_metrics_names_and_rates():
+    s = SpecDecodeStats(3)
+    s.record(3, 2)
+    s.record(3, 0)
+    s.record(2, 2)
+    assert s.summary()["acceptance_rate"] == round(4 / 8, 4) and s.mean_acceptance_length == 1 + 4 / 3
+    assert s.accepted_per_pos == [2, 2, 0]
+    from jaxserve.server.metrics import _spec_decode_metrics
+
+    stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, **s.engine_stats())
+    families = {f.name: f for f in _spec_decode_metrics(stats, "m")}
+    assert set(families) == {"jaxserve:spec_decode_num_drafts", "jaxserve:spec_decode_num_draft_tokens",
+                             "jaxserve:spec_decode_num_accepted_tokens",
+                             "jaxserve:spec_decode_num_accepted_tokens_per_pos"}
+    per_pos = families["jaxserve:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [(x.labels["position"], x.value) for x in per_pos] == [("0", 2.0), ("1", 2.0), ("2", 0.0)]
+
+
+def test_bench_spec_decode_parses_and_describes():
+    from jaxserve.bench.spec_decode import describe
+
+    ns = parse_args(build_parser(), ["bench", "spec-decode", "--speculative-config", '{"method": "ngram", '
+                                     '"num_speculative_tokens": 3}', "--output-len", "50"])
+    assert ns.output_len == 50 and SpeculativeConfig.parse(ns.speculative_config).method == "ngram"
+    res = {"spec_tokens_per_s": 60.0, "plain_tokens_per_s": 35.0, "speedup": 60 / 35, "identical_tokens": True,
+           "spec_decode": {"acceptance_rate": 0.6, "mean_acceptance_length": 2.9, "acceptance_rate_per_pos": [0.7]},
+           "loop_ms_per_step": {"spec": {"host": 5.0, "wait": 37.0, "steps": 3}}}
+    assert "1.71x" in describe(res) and "mean acceptance length 2.90" in describe(res)

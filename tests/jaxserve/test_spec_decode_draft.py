@@ -1,0 +1,114 @@
+"""Draft-model speculation on tiny checkpoints: greedy output equals the plain engine's token for token (the
+plain engine equals HF greedy: test_engine_parity), and the draft's KV cache stays consistent after rejections.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from engine_fixtures import _ROOT, checkpoint, small_engine_kwargs
+from tiny_models import make_tiny_checkpoint
+
+from jaxserve import LLM, SamplingParams
+
+K = 3
+
+
+def _ids(n, seed=0):
+    return np.random.default_rng(seed).integers(2, 500, size=n).tolist()
+
+
+def _engine(draft_variant, **kw):
+    spec = {"method": "draft_model", "model": checkpoint(draft_variant), "num_speculative_tokens": K}
+    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none", **kw))
+
+
+def _generate(llm, prompts, params, speculate=True):
+    engine = llm.llm_engine
+    saved = engine.speculator
+    engine.speculator = saved if speculate else None
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+    finally:
+        engine.speculator = saved
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # The target as its own draft: every greedy proposal is right. 28 blocks of 4: preemption under load.
+    return _engine("llama_gqa", num_gpu_blocks_override=28)
+
+
+def _run_exact(llm):
+    shared = _ids(10, 7)
+    prompts = [{"prompt_token_ids": shared + _ids(3 + i, 20 + i)} for i in range(4)]
+    prompts.append({"prompt_token_ids": _ids(40, 40)})  # 40 > the 32-token budget: chunked prefill
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (28, 9, 21, 14, 17)]
+    plain = _generate(llm, prompts, params, speculate=False)
+    engine = llm.llm_engine
+    preempted, hits = engine.scheduler.num_preemptions, engine.scheduler.prefix_cache_hits
+    assert _generate(llm, prompts, params) == plain
+    assert engine.scheduler.num_preemptions > preempted and engine.scheduler.prefix_cache_hits > hits
+
+
+def test_draft_equal_to_target_accepts_everything_and_is_exact(llm):
+    stats = llm.llm_engine.speculator.stats
+    _run_exact(llm)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_greedy_exact_when_proposals_are_rejected(llm):
+    """Corrupt one proposal of most drafts after the draft made them (its cache holds the real ones): the target
+    rejects there, the draft must carry on from a cache that is right only up to the accepted tokens."""
+    draft = llm.llm_engine.speculator.draft
+    propose, calls = draft.propose, [0]
+
+    def corrupting(requests, k, kv):
+        propose(requests, k, kv)
+        for r in requests:
+            calls[0] += 1
+            if r.spec_token_ids and calls[0] % 4:
+                r.spec_token_ids[calls[0] % len(r.spec_token_ids)] ^= 1
+
+    stats = llm.llm_engine.speculator.stats
+    rejected = stats.num_draft_tokens - stats.num_accepted_tokens
+    draft.propose = corrupting
+    try:
+        _run_exact(llm)
+    finally:
+        draft.propose = propose
+    assert stats.num_draft_tokens - stats.num_accepted_tokens > rejected + 10
+
+
+def test_draft_cache_consistent_after_rejections(llm):
+    """Sampled rows reject proposals often; after every step, the draft's incremental proposals must equal
+    those it makes from an empty draft cache (recomputing every position)."""
+    engine = llm.llm_engine
+    draft = engine.speculator.draft
+    sp = SamplingParams(temperature=1.5, seed=1, max_tokens=24, ignore_eos=True)
+    for i, n in enumerate((6, 11)):
+        engine.add_request(f"c{i}", {"prompt_token_ids": _ids(n, 30 + i)}, sp)
+    compared = 0
+    rejected_before = engine.speculator.stats.num_draft_tokens - engine.speculator.stats.num_accepted_tokens
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = [r for r in engine.scheduler.running if r.spec_token_ids]
+        incremental = {r.request_id: list(r.spec_token_ids) for r in running}
+        draft._states.clear()  # forget what the draft cache holds: recompute from position 0
+        draft.propose(running, K, engine.scheduler.kv)
+        assert {r.request_id: r.spec_token_ids for r in running} == incremental
+        compared += len(running)
+    stats = engine.speculator.stats
+    assert compared > 5 and stats.num_draft_tokens - stats.num_accepted_tokens > rejected_before
+
+
+def test_draft_with_another_vocabulary_is_refused():
+    path = os.path.join(_ROOT, "llama_vocab_600")
+    if not os.path.exists(path):
+        make_tiny_checkpoint(path, "llama", vocab_size=600)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"vocab_size=600.*vocab_size=512.*share the target's tokenizer"):
+        LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none"))
