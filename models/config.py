@@ -59,6 +59,9 @@ class TextModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
     checkpoint_dtype: str | None = None  # config.json's torch_dtype/dtype, for dtype="auto"
+    # Multimodal RoPE (Qwen2-VL): how many rotary frequencies follow the temporal, height and width
+    # position rows (sums to head_dim // 2); None: one position row, plain RoPE.
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_MODEL_TYPES:
@@ -80,6 +83,11 @@ class TextModelConfig:
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
+            )
+
+        if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(
+                f"mrope_section={list(self.mrope_section)} must sum to head_dim // 2 = {self.head_dim // 2}"
             )
 
     # ----- derived values -----

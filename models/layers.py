@@ -183,6 +183,19 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
     return jnp.cos(emb), jnp.sin(emb)
 
 
+def mrope_cos_sin(
+    positions: jax.Array, inv_freq: np.ndarray, mrope_section: tuple[int, ...]
+) -> tuple[jax.Array, jax.Array]:
+    """Multimodal RoPE (Qwen2-VL): positions [3, T] (temporal, height, width rows; equal for text tokens)
+    -> cos, sin [T, Dh] float32. Frequency band j of ``mrope_section`` turns with row j % 3."""
+    row = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)  # [R]: which position row each frequency uses
+    assert row.shape == inv_freq.shape, (mrope_section, inv_freq.shape)
+    pos = positions.astype(jnp.float32)[row]  # [R, T]
+    freqs = pos.T * jnp.asarray(inv_freq)[None, :]  # [T, R]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, Dh]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate x [T, N, Dh] by cos/sin [T, Dh] (the rotate-half convention of HF checkpoints); float32
     math, result in x's dtype."""

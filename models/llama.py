@@ -23,7 +23,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.config import TextModelConfig
-from jaxserve.models.layers import Embed, GatedMLP, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxserve.models.layers import (
+    Embed, GatedMLP, Linear, RMSNorm, apply_rope, mrope_cos_sin, rope_cos_sin, rope_inv_freq,
+)  # fmt: skip
 from jaxserve.pallas_kernels.attention import AttentionFn
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.precision import matmul_precision
@@ -150,16 +152,29 @@ class LlamaForCausalLM(nnx.Module):
         input_ids: jax.Array,  # [T] int32
         kv_caches: list[KVCache],  # one per layer
         md: AttentionMetadata,
+        *,
+        mrope_positions: jax.Array | None = None,  # [3, T] int32, required iff cfg.mrope_section
+        inputs_embeds: jax.Array | None = None,  # [T, D]: used instead of embedding input_ids (images)
     ) -> tuple[jax.Array, list[KVCache]]:  # (hidden [T, D], updated caches)
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers")
-        x = self.model.embed_tokens(input_ids)  # [T, D]
-        cos, sin = rope_cos_sin(md.positions, _inv_freq(self.config))  # [T, Dh] each
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, D]
+        cos, sin = self._rope(md.positions, mrope_positions)  # [T, Dh] each
         new_caches = []
         for layer, kv in zip(self.model.layers, kv_caches):
             x, kv = layer(x, cos, sin, kv, md)
             new_caches.append(kv)
         return self.model.norm(x), new_caches
+
+    def _rope(self, positions, mrope_positions) -> tuple[jax.Array, jax.Array]:
+        # M-RoPE rotates by three position rows (Qwen2-VL); md.positions stays the 1-D cache position
+        # that the attention's causal mask and KV slots use.
+        section = self.config.mrope_section
+        if section is None:
+            return rope_cos_sin(positions, _inv_freq(self.config))
+        if mrope_positions is None:
+            raise ValueError(f"mrope_section={list(section)} needs mrope_positions [3, T] in each step")
+        return mrope_cos_sin(mrope_positions, _inv_freq(self.config), section)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # hidden [S, D] (already normed) -> [S, V] float32
         if self.lm_head is None:
