@@ -73,6 +73,8 @@ class VisionConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         fields = {f.name for f in dataclasses.fields(cls)} - {"rope_theta"}
         kw = {k: d[k] for k in fields if d.get(k) is not None}
+        if d.get("in_chans") is not None:  # the released checkpoints' (transformers 4.4x) spelling
+            kw.setdefault("in_channels", d["in_chans"])
         return cls(**kw, rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))))
 
 
