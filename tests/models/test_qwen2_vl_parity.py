@@ -45,35 +45,46 @@ def checkpoint(tmp_path_factory):
     return path, model
 
 
-def _prompt():
-    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (84, 112, 3), dtype=np.uint8))
-    pixels, grid = Qwen2VLImageProcessor()([image])
-    n_img = Qwen2VLImageProcessor().num_image_tokens(grid)[0]
-    text = np.random.default_rng(1).integers(2, 400, 9).tolist()
-    ids = text[:4] + [START] + [IMG] * n_img + [END] + text[4:]
+def _prompt(sizes):
+    """Text, then each image (framed by START / END) followed by more text; images of (height, width)."""
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+    pixels, grid = Qwen2VLImageProcessor()(images) if images else (None, np.zeros((0, 3), np.int64))
+    ids = rng.integers(2, 400, 4).tolist()
+    for n in Qwen2VLImageProcessor().num_image_tokens(grid):
+        ids += [START] + [IMG] * n + [END] + rng.integers(2, 400, 3).tolist()
     return np.array(ids), pixels, grid
 
 
 def _hf_logits(model, ids, pixels, grid):
     with torch.no_grad():
         out = model(
-            input_ids=torch.from_numpy(ids)[None], pixel_values=torch.from_numpy(pixels),
-            image_grid_thw=torch.from_numpy(grid), mm_token_type_ids=torch.from_numpy((ids == IMG).astype(np.int64))[None],
+            input_ids=torch.from_numpy(ids)[None], pixel_values=None if pixels is None else torch.from_numpy(pixels),
+            image_grid_thw=torch.from_numpy(grid) if len(grid) else None, mm_token_type_ids=torch.from_numpy((ids == IMG).astype(np.int64))[None],
         )  # fmt: skip
     return out.logits[0].numpy()
 
 
-def test_prefill_logits_match_hf(checkpoint):
+# No image (M-RoPE rows all equal), one image, two images of different sizes with text between (their
+# rows share one tower call).
+PROMPTS = {"text_only": [], "one_image": [(84, 112)], "two_images": [(56, 56), (112, 56)]}
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_prefill_logits_match_hf(checkpoint, name):
     path, hf = checkpoint
-    ids, pixels, grid = _prompt()
-    assert grid.tolist() == [[1, 6, 8]] and len(ids) == 23
+    ids, pixels, grid = _prompt(PROMPTS[name])
+    assert len(grid) == len(PROMPTS[name]) and len(ids) <= 32  # fits model_batch_utils' 32-token tables
     want = _hf_logits(hf, ids, pixels, grid)
     assert want.std() > 0.1
 
     model, cfg = load_qwen2_vl(path, dtype=jnp.float32, attention_fn=paged_attention)
     graphdef, state = nnx.split(model)
-    positions, image_ids = vision_inputs(grid, cfg.vision.spatial_merge_size)
-    image_embeds = jax.jit(lambda s, *a: nnx.merge(graphdef, s).encode_images(*a))(state, pixels, positions, image_ids)
+    image_embeds = None
+    if len(grid):
+        positions, image_ids = vision_inputs(grid, cfg.vision.spatial_merge_size)
+        encode = jax.jit(lambda s, *a: nnx.merge(graphdef, s).encode_images(*a))
+        image_embeds = encode(state, pixels, positions, image_ids)  # [M, D]
     rope, delta = mrope_positions(ids, grid, image_token_id=cfg.image_token_id, spatial_merge_size=2)
     row = np.where(ids == IMG, np.cumsum(ids == IMG) - 1, -1).astype(np.int32)  # [L] image row per token
 
@@ -96,11 +107,12 @@ def test_prefill_logits_match_hf(checkpoint):
     whole, _ = run(empty_caches(cfg.text), 0, len(ids), table)
     np.testing.assert_allclose(whole, want, atol=ATOL, rtol=0)
 
-    # Prefill in two chunks, the boundary inside the image, then the last token as a decode step whose
-    # rows come from delta (as every generated token's will).
+    # Prefill in two chunks, the boundary inside the (first) image, then the last token as a decode step
+    # whose rows come from delta (as every generated token's will).
     caches = empty_caches(cfg.text)
-    first, caches = run(caches, 0, 10, table)
-    second, caches = run(caches, 10, len(ids) - 1, table)
+    cut = int(np.argmax(ids == IMG)) + 2 if len(grid) else 3
+    first, caches = run(caches, 0, cut, table)
+    second, caches = run(caches, cut, len(ids) - 1, table)
     np.testing.assert_allclose(np.concatenate([first, second]), want[:-1], atol=ATOL, rtol=0)
     last = len(ids) - 1
     decode, _ = run(caches, last, len(ids), table, rope_rows=mrope_decode_positions(np.array([last]), delta))
