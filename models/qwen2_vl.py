@@ -54,7 +54,8 @@ class Qwen2VLConfig:
             rope["rope_type"] = "default"
         text["rope_parameters"] = {**rope, "rope_theta": rope.get("rope_theta", text.get("rope_theta", 1000000.0))}
         text["model_type"] = "qwen2"
-        text_cfg = dataclasses.replace(TextModelConfig.from_hf_config(text), mrope_section=tuple(int(s) for s in section))
+        text_cfg = TextModelConfig.from_hf_config(text)
+        text_cfg = dataclasses.replace(text_cfg, mrope_section=tuple(int(s) for s in section))
         image_token_id = d.get("image_token_id")
         if image_token_id is None:
             raise ValueError("Qwen2-VL config has no image_token_id")
@@ -88,7 +89,9 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
     ) -> "Qwen2VLForConditionalGeneration":  # fmt: skip
         """Freshly initialised (random) parameters."""
         precision = matmul_precision(dtype, fp32_matmul_precision)
-        visual = Qwen2VisionTransformer(cfg.vision, dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision)
+        visual = Qwen2VisionTransformer(
+            cfg.vision, dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision
+        )
         language = LlamaForCausalLM(
             cfg.text, dtype=dtype, param_dtype=param_dtype, attention_fn=attention_fn, rngs=rngs,
             fp32_matmul_precision=fp32_matmul_precision,

@@ -26,7 +26,8 @@ class Qwen2VLImageProcessor:
     """Wraps the HF processor built from a checkpoint's preprocessor_config.json dict (or defaults)."""
 
     def __init__(self, preprocessor_config: Mapping[str, Any] | None = None, **overrides):
-        kw = {k: v for k, v in dict(preprocessor_config or {}).items() if k not in ("image_processor_type", "processor_class")}
+        skip = ("image_processor_type", "processor_class")
+        kw = {k: v for k, v in dict(preprocessor_config or {}).items() if k not in skip}
         kw.update({k: v for k, v in overrides.items() if v is not None})  # e.g. min_pixels=, max_pixels=
         self._hf = _HFImageProcessor(**kw)
         self.merge_size = int(self._hf.merge_size)

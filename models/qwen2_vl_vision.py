@@ -61,7 +61,9 @@ class VisionConfig:
                 f"vision head dim {self.embed_dim // self.num_heads} must be a multiple of 4 (2-D rotary halves)"
             )
         if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"vision hidden_act={self.hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+            raise ValueError(
+                f"vision hidden_act={self.hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
+            )
 
     @property
     def patch_dim(self) -> int:  # one pixel_values row
@@ -105,8 +107,8 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype):
         self.eps = eps
-        self.scale = _param(None, (dim,), param_dtype, ("vision_embed",), "ones")
-        self.bias = _param(None, (dim,), param_dtype, ("vision_embed",), "zeros")
+        self.scale = _param(None, (dim,), param_dtype, ("embed",), "ones")
+        self.bias = _param(None, (dim,), param_dtype, ("embed",), "zeros")
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim] -> same
         x32 = x.astype(jnp.float32)
@@ -120,9 +122,9 @@ class VisionAttention(nnx.Module):
     def __init__(self, cfg: VisionConfig, **kw):
         e = cfg.embed_dim
         self.num_heads, self.head_dim = cfg.num_heads, e // cfg.num_heads
-        self.qkv = Linear(e, (3, cfg.num_heads, self.head_dim), axes=("vision_embed", None, "q_heads", None),
+        self.qkv = Linear(e, (3, cfg.num_heads, self.head_dim), axes=("embed", None, "q_heads", None),
                           use_bias=True, **kw)  # fmt: skip
-        self.proj = Linear(e, e, axes=("q_heads", "vision_embed"), use_bias=True, **kw)
+        self.proj = Linear(e, e, axes=("q_heads", "embed"), use_bias=True, **kw)
 
     def __call__(self, x, cos, sin, image_ids):  # x [N, E], cos/sin [N, Dv], image_ids [N] -> [N, E]
         n = x.shape[0]
@@ -140,8 +142,8 @@ class VisionAttention(nnx.Module):
 class VisionMlp(nnx.Module):
     def __init__(self, cfg: VisionConfig, **kw):
         hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-        self.fc1 = Linear(cfg.embed_dim, hidden, axes=("vision_embed", "mlp"), use_bias=True, **kw)
-        self.fc2 = Linear(hidden, cfg.embed_dim, axes=("mlp", "vision_embed"), use_bias=True, **kw)
+        self.fc1 = Linear(cfg.embed_dim, hidden, axes=("embed", "mlp"), use_bias=True, **kw)
+        self.fc2 = Linear(hidden, cfg.embed_dim, axes=("mlp", "embed"), use_bias=True, **kw)
         self.act = cfg.hidden_act
 
     def __call__(self, x):  # [N, E] -> [N, E]
@@ -165,7 +167,7 @@ class PatchEmbed(nnx.Module):
     conv weight [E, C, Tp, P, P] flattened and transposed (rows of pixel_values are in (C, Tp, P, P) order)."""
 
     def __init__(self, cfg: VisionConfig, **kw):
-        self.proj = Linear(cfg.patch_dim, cfg.embed_dim, axes=(None, "vision_embed"), **kw)
+        self.proj = Linear(cfg.patch_dim, cfg.embed_dim, axes=(None, "embed"), **kw)
 
     def __call__(self, pixels):  # [N, C*Tp*P*P] -> [N, E]
         return self.proj(pixels)

@@ -67,7 +67,9 @@ def load_qwen2_vl(
         precision = matmul_precision(dtype, fp32_matmul_precision)
         # Shapes only (no random init of 0.6 B parameters to overwrite); every one is set below or it raises.
         visual = nnx.eval_shape(
-            lambda: Qwen2VisionTransformer(cfg.vision, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), precision=precision)
+            lambda: Qwen2VisionTransformer(
+                cfg.vision, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), precision=precision
+            )
         )
         load_vision_weights(visual, _Part(ckpt, vision=True), prefix="visual.")
     return Qwen2VLForConditionalGeneration(cfg, visual, language), cfg

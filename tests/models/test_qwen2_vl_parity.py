@@ -60,7 +60,8 @@ def _hf_logits(model, ids, pixels, grid):
     with torch.no_grad():
         out = model(
             input_ids=torch.from_numpy(ids)[None], pixel_values=None if pixels is None else torch.from_numpy(pixels),
-            image_grid_thw=torch.from_numpy(grid) if len(grid) else None, mm_token_type_ids=torch.from_numpy((ids == IMG).astype(np.int64))[None],
+            image_grid_thw=torch.from_numpy(grid) if len(grid) else None,
+            mm_token_type_ids=torch.from_numpy((ids == IMG).astype(np.int64))[None],
         )  # fmt: skip
     return out.logits[0].numpy()
 

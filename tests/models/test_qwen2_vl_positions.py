@@ -71,11 +71,13 @@ def test_mrope_tables_match_hf_recomposition():
     inv_freq = (1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)).astype(np.float32)  # head_dim 8: R = 4
     section = (1, 1, 2)
     pos1 = np.array([0, 3, 9], np.int32)
-    for a, b in zip(mrope_cos_sin(jnp.asarray(np.stack([pos1] * 3)), inv_freq, section), rope_cos_sin(jnp.asarray(pos1), inv_freq)):
+    three = mrope_cos_sin(jnp.asarray(np.stack([pos1] * 3)), inv_freq, section)
+    for a, b in zip(three, rope_cos_sin(jnp.asarray(pos1), inv_freq)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
     model = _hf_model()
     pos3 = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 9]])
-    cos_hf, sin_hf = model.language_model.rotary_emb(torch.zeros(1, dtype=torch.float32), torch.from_numpy(pos3)[:, None])
+    rotary = model.language_model.rotary_emb
+    cos_hf, sin_hf = rotary(torch.zeros(1, dtype=torch.float32), torch.from_numpy(pos3)[:, None])
     cos, sin = mrope_cos_sin(jnp.asarray(pos3), np.asarray(model.language_model.rotary_emb.inv_freq), section)
     np.testing.assert_allclose(np.asarray(cos), cos_hf[0].numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(sin), sin_hf[0].numpy(), rtol=1e-6, atol=1e-6)
