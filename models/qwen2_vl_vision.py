@@ -8,6 +8,8 @@ patches is 4 consecutive rows), and ``image_grid_thw`` [I, 3], each image's (t, 
 The jitted forward sees only fixed-shape arrays: the patch rows, their (h, w) grid coordinates and an
 image id per row (``vision_inputs`` computes both on the host from ``image_grid_thw``). Attention masks
 on the image id, so several images (and padding rows with id -1, for shape bucketing) share one call.
+Every array may carry leading batch axes ([B, N, ...]: B image slots of N rows each): attention is then
+[B, Hv, N, N] instead of one [Hv, B*N, B*N], which is how many same-bucket images should be encoded.
 
 Module attribute names follow HF's ``Qwen2VisionTransformerPretrainedModel`` (``blocks.0.attn.qkv``,
 ``merger.mlp.0``), so its weights load by name (the Conv3d patch kernel flattened to a Linear kernel).
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.layers import Linear, _param, apply_rope
+from jaxserve.models.layers import Linear, _param
 from jaxserve.pallas_kernels.precision import matmul_precision
 
 # Shape letters here: N patch rows, E vision width (embed_dim), Hv vision heads, Dv = E // Hv,
@@ -126,17 +128,16 @@ class VisionAttention(nnx.Module):
                           use_bias=True, **kw)  # fmt: skip
         self.proj = Linear(e, e, axes=("q_heads", "embed"), use_bias=True, **kw)
 
-    def __call__(self, x, cos, sin, image_ids):  # x [N, E], cos/sin [N, Dv], image_ids [N] -> [N, E]
-        n = x.shape[0]
-        qkv = self.qkv(x)  # [N, 3, Hv, Dv]
-        q, k, v = apply_rope(qkv[:, 0], cos, sin), apply_rope(qkv[:, 1], cos, sin), qkv[:, 2]
+    def __call__(self, x, cos, sin, image_ids):  # x [..., N, E], cos/sin [..., N, Dv], ids [..., N] -> [..., N, E]
+        qkv = self.qkv(x)  # [..., N, 3, Hv, Dv]
+        q, k, v = _rotate(qkv[..., 0, :, :], cos, sin), _rotate(qkv[..., 1, :, :], cos, sin), qkv[..., 2, :, :]
         prec = self.proj.precision
-        scores = jnp.einsum("qhd,khd->hqk", q, k, precision=prec, preferred_element_type=jnp.float32)
-        scores = scores * np.float32(self.head_dim**-0.5)  # [Hv, N, N]
-        same = image_ids[:, None] == image_ids[None, :]  # [N, N]: full attention within each image only
-        probs = jax.nn.softmax(jnp.where(same[None], scores, -jnp.inf), axis=-1).astype(v.dtype)
-        out = jnp.einsum("hqk,khd->qhd", probs, v, precision=prec)  # [N, Hv, Dv]
-        return self.proj(out.reshape(n, -1))
+        scores = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=prec, preferred_element_type=jnp.float32)
+        scores = scores * np.float32(self.head_dim**-0.5)  # [..., Hv, N, N]
+        same = image_ids[..., :, None] == image_ids[..., None, :]  # [..., N, N]: attend within the image only
+        probs = jax.nn.softmax(jnp.where(same[..., None, :, :], scores, -jnp.inf), axis=-1).astype(v.dtype)
+        out = jnp.einsum("...hqk,...khd->...qhd", probs, v, precision=prec)  # [..., N, Hv, Dv]
+        return self.proj(out.reshape(*out.shape[:-2], -1))
 
 
 class VisionMlp(nnx.Module):
@@ -184,8 +185,9 @@ class PatchMerger(nnx.Module):
             Linear(self.window, cfg.hidden_size, axes=("mlp", "embed"), use_bias=True, param_dtype=param_dtype, **kw),
         ])  # fmt: skip  (HF's nn.Sequential indices 0 and 2; index 1 is the GELU)
 
-    def __call__(self, x):  # [N, E] -> [M, D]
-        x = self.ln_q(x).reshape(-1, self.window)  # [M, m*m*E]
+    def __call__(self, x):  # [..., N, E] -> [..., M, D]
+        x = self.ln_q(x)
+        x = x.reshape(*x.shape[:-2], -1, self.window)  # [..., M, m*m*E]
         return self.mlp[1](jax.nn.gelu(self.mlp[0](x), approximate=False))
 
 
@@ -203,10 +205,10 @@ class Qwen2VisionTransformer(nnx.Module):
 
     def __call__(
         self,
-        pixel_values: jax.Array,  # [N, C*Tp*P*P]
+        pixel_values: jax.Array,  # [..., N, C*Tp*P*P] (leading axes: image slots, see the module doc)
         positions: jax.Array,  # [N, 2] int32 (h, w) grid coordinates
         image_ids: jax.Array,  # [N] int32; -1 for padding rows
-    ) -> jax.Array:  # [N // m**2, D]
+    ) -> jax.Array:  # [..., N // m**2, D]
         x = self.patch_embed(pixel_values.astype(self.dtype))  # [N, E]
         cos, sin = vision_rope_cos_sin(positions, self.config)  # [N, Dv] each
         for block in self.blocks:
@@ -220,7 +222,15 @@ def vision_rope_cos_sin(positions: jax.Array, cfg: VisionConfig) -> tuple[jax.Ar
     dv = cfg.embed_dim // cfg.num_heads
     spatial = dv // 2
     inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, spatial, 2).astype(np.float32) / np.float32(spatial)))
-    freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq, jnp.float32)  # [N, 2, Dv/4]
-    hw = freqs.reshape(positions.shape[0], -1)  # [N, Dv/2]: h freqs then w freqs
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., N, 2, Dv/4]
+    hw = freqs.reshape(*positions.shape[:-1], -1)  # [..., N, Dv/2]: h freqs then w freqs
     emb = jnp.concatenate([hw, hw], axis=-1)  # [N, Dv]
     return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of x [..., N, Hv, Dv] by cos/sin [..., N, Dv], in float32 (as HF's vision rotary)."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)

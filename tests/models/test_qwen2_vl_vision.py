@@ -64,3 +64,24 @@ def test_padding_rows_do_not_change_real_rows():
         np.concatenate([ids, np.full(pad, -1, np.int32)]),
     )
     np.testing.assert_allclose(np.asarray(padded[:6]), np.asarray(base), rtol=1e-5, atol=1e-5)
+
+
+def test_batched_image_slots_equal_one_flat_call():
+    """[B, N] slots (each image padded to the bucket's N rows) give the flat call's rows: the shape the
+    engine should encode many images in, attention [B, Hv, N, N] instead of [Hv, B*N, B*N]."""
+    hf = tiny_hf_vision()
+    cfg = VisionConfig.from_hf_config(hf.config.to_dict())
+    tower = Qwen2VisionTransformer(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    grids = np.array([(1, 4, 6), (1, 2, 2)])
+    positions, ids = vision_inputs(grids, 2)
+    pixels = np.random.default_rng(2).standard_normal((28, cfg.patch_dim)).astype(np.float32)
+    flat = np.asarray(tower(pixels, positions, ids))  # [7, D]
+    slot = 24  # rows per slot; the second image's 4 rows are padded with id -1 rows
+    pad = lambda a, v: np.concatenate([a, np.full((slot - len(a), *a.shape[1:]), v, a.dtype)])  # noqa: E731
+    batched = tower(
+        np.stack([pixels[:24], pad(pixels[24:], 1.0)]),
+        np.stack([positions[:24], pad(positions[24:], 0)]),
+        np.stack([ids[:24], pad(ids[24:], -1)]),
+    )  # [2, 6, D]
+    np.testing.assert_allclose(np.asarray(batched[0]), flat[:6], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(batched[1, :1]), flat[6:], rtol=1e-5, atol=1e-5)
