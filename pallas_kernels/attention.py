@@ -15,8 +15,21 @@ ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 # Backends that gather context with jnp: they want context-width buckets and are split by XLA's partitioner.
 GATHER_BACKENDS = ("reference", "xla")
 
+# Backends that read and write an fp8 KV cache (kv_cache_dtype fp8*).
+FP8_BACKENDS = ("reference", "xla")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, backend: str) -> None:
+    """Refuse an fp8 cache on a backend that cannot read it, rather than serve wrong attention."""
+    if kv_cache_dtype != "auto" and backend not in FP8_BACKENDS:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported by attention_backend={backend!r} yet; use "
+            f"attention_backend in {FP8_BACKENDS} with an fp8 cache, or kv_cache_dtype='auto' with {backend!r}"
+        )
+
 # (q, k_new, v_new, k_pages, v_pages, md, *, scale, sliding_window, precision) -> (out, k_pages, v_pages);
 # precision (of the attention's products) None means "from q's dtype": float32 exact (see precision.py).
+# Over an fp8 cache the model also passes k_scale and v_scale (fp8.py); only FP8_BACKENDS take them.
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
@@ -31,11 +44,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     precision: jax.lax.Precision | None = None,
+    k_scale=1.0,  # fp8 caches only (fp8.py): per-layer scales, traced scalars
+    v_scale=1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference backend: write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages)."""
-    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale)
     out = ragged_paged_attention_reference(
-        q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision
+        q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
+        k_scale=k_scale, v_scale=v_scale,
     )
     return out, k_pages, v_pages
 
