@@ -86,7 +86,7 @@ def build_engine_components(
     path, fmt = resolve_model_path(args.model, args.load_format)
     dtype = serving_dtype(args.dtype, platform)
     backend = resolve_backend(args.attention_backend, platform)
-    check_kv_cache_dtype(args.kv_cache_dtype, backend)  # before any weight is read
+    check_kv_cache_dtype(args.kv_cache_dtype, backend, platform)  # before any weight is read
     attention_fn = get_attention_fn(backend, platform)
     tp = args.tensor_parallel_size
     if mesh is None:

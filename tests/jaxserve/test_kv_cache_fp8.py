@@ -21,12 +21,16 @@ def test_names_accepted(name):
     EngineArgs(kv_cache_dtype=name).validate()
 
 
-def test_bad_name_and_pallas_refused():
+def test_bad_name_and_tpu_kernel_refused():
+    from jaxserve.pallas_kernels.attention import check_kv_cache_dtype
+
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp16'.*fp8_e4m3"):
         EngineArgs(kv_cache_dtype="fp16").validate()
-    # The Pallas kernels do not read fp8 yet: a clear refusal naming what works, not wrong attention.
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*attention_backend='pallas'.*'reference', 'xla'"):
-        LLM(checkpoint("llama_gqa"), **small_engine_kwargs(kv_cache_dtype="fp8", attention_backend="pallas"))
+    for backend in ("reference", "xla", "pallas"):
+        check_kv_cache_dtype("fp8", backend, "gpu")
+    # The TPU op does not read fp8 here yet: a clear refusal naming what works, not wrong attention.
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2'.*'pallas' on TPU.*attention_backend='xla'"):
+        check_kv_cache_dtype("fp8_e5m2", "pallas", "tpu")
 
 
 def test_budget_counts_fp8_bytes():

@@ -111,3 +111,41 @@ def test_kv_cache_dtype_names():
     assert fp8.kv_cache_dtype_for("fp8", jnp.bfloat16) == jnp.float8_e4m3fn
     assert fp8.kv_cache_dtype_for("fp8_e4m3", jnp.float32) == jnp.float8_e4m3fn
     assert fp8.kv_cache_dtype_for("fp8-e5m2", jnp.float32) == jnp.float8_e5m2
+
+
+# (num_heads, num_kv_heads, head_dim, q dtype): bf16 as served on GPU, float32 as on CPU.
+PALLAS_CASES = [(8, 2, 64, jnp.bfloat16), (4, 4, 32, jnp.float32)]
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("h,kh,d,q_dtype", PALLAS_CASES)
+def test_pallas_kernels_agree_with_reference_on_fp8(dtype, h, kh, d, q_dtype):
+    """The GPU path (Pallas KV write, Triton decode and prefill kernels; interpreted on CPU) over an fp8
+    cache: same bytes written as the reference, same attention within the query dtype's tolerance."""
+    from jaxserve.pallas_kernels.paged_attention_pallas import paged_attention_pallas
+
+    interpret = jax.default_backend() == "cpu"
+    rng = np.random.default_rng(h + d)
+    p, k_scale, v_scale = 8, 0.5, 2.0
+    q_lens, cached = [1, 1, 21, 3, 1], [9, 30, 0, 17, 2]  # 21 > 16 tokens: the prefill kernel
+    b = make_batch(
+        rng, q_lens=q_lens, ctx_lens=[q + c for q, c in zip(q_lens, cached)], num_heads=h, num_kv_heads=kh,
+        head_dim=d, block_size=p, dtype=jnp.float32, pad_tokens=2, pad_seqs=1,
+    )  # fmt: skip
+    b = dataclasses.replace(
+        b, q=b.q.astype(q_dtype), k_new=b.k_new.astype(q_dtype), v_new=b.v_new.astype(q_dtype),
+        k_pages=fp8.quantize(b.k_pages, k_scale, dtype), v_pages=fp8.quantize(b.v_pages, v_scale, dtype),
+    )  # fmt: skip
+    args = (b.q, b.k_new, b.v_new, b.k_pages, b.v_pages, b.md)
+    with jax.default_matmul_precision("highest"):
+        ref, k_ref, v_ref = reference_backend(*args, scale=d**-0.5, k_scale=k_scale, v_scale=v_scale)
+    fn = jax.jit(functools.partial(paged_attention_pallas, scale=d**-0.5, interpret=interpret))
+    out, k_out, v_out = fn(*args, k_scale=k_scale, v_scale=v_scale)
+    assert k_out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))
+    n = int(b.md.query_start_loc[-1])
+    out32, ref32 = np.asarray(out, np.float32)[:n], np.asarray(ref, np.float32)[:n]
+    assert np.isfinite(out32).all()
+    err = np.linalg.norm(out32 - ref32) / np.linalg.norm(ref32)
+    assert err < (2e-2 if q_dtype == jnp.bfloat16 else 1e-5), f"relative error {err:.2e}"
