@@ -66,12 +66,12 @@ def test_fp8_engine_prefix_caching_and_preemption():
     got = {}
     for name in ("fp8", "auto"):
         llm = LLM(path, **small_engine_kwargs(kv_cache_dtype=name, num_gpu_blocks_override=40))
-        got[name] = _generate(llm, prompts[:1], 16) + _generate(llm, prompts[1:], 16)  # the first fills the prefix
+        got[name] = _generate(llm, prompts[:1], 12) + _generate(llm, prompts[1:], 12)  # the first fills the prefix
         stats = llm.llm_engine.get_stats()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, name
         if name == "fp8":
             assert llm.llm_engine.runner.kv_caches[0][0].dtype.name == "float8_e4m3fn"
-            assert got[name] == [_generate(llm, [p], 16)[0] for p in prompts]
+            assert got[name] == [_generate(llm, [p], 12)[0] for p in prompts]
     agree = [_common_prefix(a, b) for a, b in zip(got["fp8"], got["auto"])]
-    print("fp8 vs float32 cache, tokens agreeing before the first difference (of 16):", agree)
-    assert sum(agree) >= 0.5 * 16 * len(prompts), agree
+    print("fp8 vs float32 cache, tokens agreeing before the first difference (of 12):", agree)
+    assert sum(agree) >= 0.5 * 12 * len(prompts), agree
