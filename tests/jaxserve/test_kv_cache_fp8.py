@@ -55,6 +55,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+@pytest.mark.slow  # ~22 s on 2 CPU cores
 def test_fp8_engine_prefix_caching_and_preemption():
     """Over fp8 blocks, a batch with prefix hits and preemptions gives exactly the tokens of each prompt run
     alone (recomputed or shared blocks hold the same fp8 values), and mostly the float32 cache's tokens."""
