@@ -131,6 +131,10 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.mesh = mesh if mesh is not None else sharding.replica_meshes(sharding.make_mesh(1))[0]
         tp = self.mesh.shape["model"]
+        # Per-layer fp8 KV scales (static in the graphdef, so constants of the compiled steps): stored programs
+        # are keyed by them too.
+        layers = getattr(getattr(model, "model", None), "layers", [])
+        self.kv_scales = [(getattr(m.self_attn, "k_scale", 1.0), getattr(m.self_attn, "v_scale", 1.0)) for m in layers]
         self.graphdef, state = nnx.split(model)
         # A no-op when the loader already placed the weights (it does, via shardings_fn).
         self.state = jax.device_put(state, sharding.param_shardings(model, self.mesh))
@@ -373,6 +377,7 @@ class ModelRunner:
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "kv_dtype": self.kv_dtype.name,  # a bf16-cache program must never run over an fp8 cache
+            "kv_scales": self.kv_scales,
             "max_rows": self.max_rows,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "runner": repr(self.runner_config),
