@@ -76,3 +76,20 @@ def test_fp8_engine_prefix_caching_and_preemption():
     agree = [_common_prefix(a, b) for a, b in zip(got["fp8"], got["auto"])]
     print("fp8 vs float32 cache, tokens agreeing before the first difference (of 12):", agree)
     assert sum(agree) >= 0.5 * 12 * len(prompts), agree
+
+
+@pytest.mark.slow  # ~22 s: two engines
+@pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs 2 devices (conftest fakes 8 CPU devices)")
+def test_fp8_cache_under_tensor_parallelism():
+    """TP=2 shards the fp8 pages by KV heads and gives TP=1's fp8 tokens."""
+    path = checkpoint("llama_gqa")
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(2, 500, size=n).tolist() for n in (3, 17, 40)]
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, **small_engine_kwargs(max_model_len=64, kv_cache_dtype="fp8"))
+        k_pages = llm.llm_engine.runner.kv_caches[0][0]
+        assert k_pages.dtype.name == "float8_e4m3fn"
+        assert k_pages.addressable_shards[0].data.shape[2] == 2 // tp  # split over the 2 KV heads
+        got[tp] = _generate(llm, prompts, 8)
+    assert got[2] == got[1]
