@@ -11,7 +11,8 @@ import difflib
 from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto",)
+# "fp8" means fp8_e4m3, as in vLLM; dashes work too (fp8-e5m2). The JAX dtypes: pallas_kernels/fp8.py.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
 # How float32 matmuls run (jaxserve.pallas_kernels.precision, which this mirrors without importing JAX):
 # "highest" is true float32, as PyTorch computes by default; "tf32" lets NVIDIA GPUs round inputs to TF32.
@@ -94,8 +95,8 @@ class EngineArgs:
         if self.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS:
             want = "'highest' (true float32) or 'tf32' (TF32 matmuls on NVIDIA GPUs: faster, less exact)"
             raise bad("fp32_matmul_precision", f"choose one of {FP32_MATMUL_PRECISIONS}: {want}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise bad("kv_cache_dtype", f"only {KV_CACHE_DTYPES} is implemented so far (fp8 KV cache is planned)")
+        if str(self.kv_cache_dtype).replace("-", "_") not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"choose one of {KV_CACHE_DTYPES} (fp8 is fp8_e4m3)")
         if self.precompile not in PRECOMPILE:
             raise bad("precompile", f"choose one of {PRECOMPILE}")
         if self.load_format not in LOAD_FORMATS:

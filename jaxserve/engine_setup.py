@@ -77,7 +77,7 @@ def build_engine_components(
     from jaxserve.model_loader import load_model, read_text_config, resolve_model_path
     from jaxserve.models.loader.weights import param_bytes
     from jaxserve.model_runner import ModelRunner
-    from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn, resolve_backend
+    from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, check_kv_cache_dtype, get_attention_fn, resolve_backend
     from jaxserve.scheduler import Scheduler
 
     args.validate()
@@ -86,6 +86,7 @@ def build_engine_components(
     path, fmt = resolve_model_path(args.model, args.load_format)
     dtype = serving_dtype(args.dtype, platform)
     backend = resolve_backend(args.attention_backend, platform)
+    check_kv_cache_dtype(args.kv_cache_dtype, backend, platform)  # before any weight is read
     attention_fn = get_attention_fn(backend, platform)
     tp = args.tensor_parallel_size
     if mesh is None:
@@ -152,9 +153,9 @@ def build_engine_components(
     speculator = _speculator(args, runner, text_config, platform, mesh, progress)
     logger.info(
         "jaxserve ready: %s (%s, %s, tp=%d on %s) %.2f GB of weights loaded in %.1fs (%.2f GB/s), tokenizer %.1fs, "
-        "%d KV blocks, %d of %d step shapes compiled in %.1fs (precompile=%s; the rest compile on first use)",
+        "%d KV blocks (%s), %d of %d step shapes compiled in %.1fs (precompile=%s; the rest compile on first use)",
         served, fmt, dtype, tp, [d.id for d in mesh.devices.flat], weight_bytes / 1e9, load_s,
-        weight_bytes / 1e9 / max(load_s, 1e-9), tokenizer_s, runner.num_blocks,
+        weight_bytes / 1e9 / max(load_s, 1e-9), tokenizer_s, runner.num_blocks, runner.kv_dtype.name,
         len(runner.compiled_shapes), runner.num_step_shapes, compile_s, precompile,
     )
     eos = set(text_config.eos_token_ids or ())

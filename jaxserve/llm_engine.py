@@ -279,6 +279,7 @@ class LLMEngine:
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
             "num_kv_blocks": self.runner.num_blocks,
+            "kv_cache_dtype": self.runner.kv_dtype.name,
             "block_size": self.runner.block_size,
             "kv_cache_gib": round(self.runner.kv_cache_bytes / (1 << 30), 3),
             "token_buckets": self.runner.token_buckets,

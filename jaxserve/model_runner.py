@@ -40,6 +40,7 @@ from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerCon
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
+from jaxserve.pallas_kernels.fp8 import kv_cache_dtype_for
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import SamplerOutput, argmax, sample, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
@@ -130,6 +131,10 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.mesh = mesh if mesh is not None else sharding.replica_meshes(sharding.make_mesh(1))[0]
         tp = self.mesh.shape["model"]
+        # Per-layer fp8 KV scales (static in the graphdef, so constants of the compiled steps): stored programs
+        # are keyed by them too.
+        layers = getattr(getattr(model, "model", None), "layers", [])
+        self.kv_scales = [(getattr(m.self_attn, "k_scale", 1.0), getattr(m.self_attn, "v_scale", 1.0)) for m in layers]
         self.graphdef, state = nnx.split(model)
         # A no-op when the loader already placed the weights (it does, via shardings_fn).
         self.state = jax.device_put(state, sharding.param_shardings(model, self.mesh))
@@ -137,6 +142,9 @@ class ModelRunner:
         self.params, self._treedef = jax.tree.flatten(self.state)  # flat list: cheap to pass per call
         self._eager_model = nnx.merge(self.graphdef, self.state) if runner_config.enforce_eager else None
         self.dtype = jnp.dtype(model_config.dtype)
+        # The cache's dtype: the model's (auto) or an fp8 one, which halves the bytes of a block, so the same
+        # memory budget holds about twice the blocks.
+        self.kv_dtype = kv_cache_dtype_for(cache_config.kv_cache_dtype, self.dtype)
 
         self.max_blocks_per_seq = math.ceil(model_config.max_model_len / self.block_size)
         self.token_buckets = buckets.token_buckets(scheduler_config.max_num_batched_tokens, runner_config.platform)
@@ -145,7 +153,7 @@ class ModelRunner:
         )
 
         cfg = text_config
-        block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.dtype)
+        block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.kv_dtype)
         self.num_blocks = num_blocks_for(
             cache_config,
             platform=runner_config.platform,
@@ -160,7 +168,7 @@ class ModelRunner:
         cache_shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         cache_sharding = sharding.logical_sharding(self.mesh, sharding.KV_CACHE_AXES, cache_shape)
         self.kv_caches = allocate_kv_caches(
-            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
+            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_dtype,
             sharding=cache_sharding,
         )
         param_shardings = [x.sharding for x in self.params]
@@ -368,6 +376,8 @@ class ModelRunner:
             "model_config": repr(self.model_config),
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
+            "kv_dtype": self.kv_dtype.name,  # a bf16-cache program must never run over an fp8 cache
+            "kv_scales": self.kv_scales,
             "max_rows": self.max_rows,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "runner": repr(self.runner_config),

@@ -23,6 +23,7 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -150,14 +151,15 @@ def shard_attention(attention_fn: Callable, mesh: Mesh) -> Callable:
     q_spec, kv_spec = logical_spec(Q_AXES), logical_spec(KV_NEW_AXES)
     pages_spec = logical_spec(KV_CACHE_AXES)
 
-    def sharded(q, k_new, v_new, k_pages, v_pages, md, *, scale: float, sliding_window=None, precision=None):
+    def sharded(q, k_new, v_new, k_pages, v_pages, md, *, scale: float, sliding_window=None, precision=None, **fp8_kw):
         per_device = functools.partial(attention_fn, scale=scale, sliding_window=sliding_window, precision=precision)
+        names = sorted(fp8_kw)  # k_scale, v_scale over an fp8 cache: replicated scalars, passed as arguments
         return jax.shard_map(
-            per_device,
+            lambda *a: per_device(*a[:6], **dict(zip(names, a[6:]))),
             mesh=mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, pages_spec, pages_spec, PartitionSpec()),
+            in_specs=(q_spec, kv_spec, kv_spec, pages_spec, pages_spec, PartitionSpec()) + (PartitionSpec(),) * len(names),
             out_specs=(q_spec, pages_spec, pages_spec),
             check_vma=False,  # a Pallas call has no varying-axis typing rule
-        )(q, k_new, v_new, k_pages, v_pages, md)
+        )(q, k_new, v_new, k_pages, v_pages, md, *(jnp.asarray(fp8_kw[n], jnp.float32) for n in names))
 
     return sharded

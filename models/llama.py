@@ -27,6 +27,7 @@ from jaxserve.models.layers import (
     Embed, GatedMLP, Linear, RMSNorm, apply_rope, mrope_cos_sin, rope_cos_sin, rope_inv_freq,
 )  # fmt: skip
 from jaxserve.pallas_kernels.attention import AttentionFn
+from jaxserve.pallas_kernels.fp8 import is_fp8
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.precision import matmul_precision
 
@@ -63,6 +64,9 @@ class LlamaAttention(nnx.Module):
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.attention_fn = attention_fn
         self.precision = precision  # of the attention's products too: a float32 model is float32 throughout
+        # fp8 KV cache scales (pallas_kernels/fp8.py), 1.0 as in vLLM. Static floats of this layer, passed to the
+        # jitted attention as traced scalars: the layers share one trace whatever their values.
+        self.k_scale = self.v_scale = 1.0
 
     def __call__(
         self,
@@ -79,8 +83,11 @@ class LlamaAttention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Only an fp8 cache takes scales, so that backends without fp8 keep their plain signature.
+        fp8_kw = dict(k_scale=self.k_scale, v_scale=self.v_scale) if is_fp8(kv[0].dtype) else {}
         out, k_pages, v_pages = self.attention_fn(
-            q, k, v, kv[0], kv[1], md, scale=self.scale, sliding_window=self.sliding_window, precision=self.precision
+            q, k, v, kv[0], kv[1], md, scale=self.scale, sliding_window=self.sliding_window, precision=self.precision,
+            **fp8_kw,
         )  # out [T, H, Dh]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_pages, v_pages)
 

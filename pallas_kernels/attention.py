@@ -15,8 +15,24 @@ ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 # Backends that gather context with jnp: they want context-width buckets and are split by XLA's partitioner.
 GATHER_BACKENDS = ("reference", "xla")
 
+# Backends that read and write an fp8 KV cache (kv_cache_dtype fp8*): every one but the TPU op.
+FP8_BACKENDS = ("reference", "xla", "pallas")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, backend: str, platform: str) -> None:
+    """Refuse an fp8 cache where the backend cannot read it, rather than serve wrong attention."""
+    if kv_cache_dtype == "auto":
+        return
+    if backend not in FP8_BACKENDS or (backend == "pallas" and platform == "tpu"):
+        where = f"attention_backend={backend!r}" + (" on TPU" if platform == "tpu" else "")
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported by {where} yet; use attention_backend='xla' "
+            f"with an fp8 cache, or kv_cache_dtype='auto' with {backend!r}"
+        )
+
 # (q, k_new, v_new, k_pages, v_pages, md, *, scale, sliding_window, precision) -> (out, k_pages, v_pages);
 # precision (of the attention's products) None means "from q's dtype": float32 exact (see precision.py).
+# Over an fp8 cache the model also passes k_scale and v_scale (fp8.py); only FP8_BACKENDS take them.
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
@@ -31,11 +47,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     precision: jax.lax.Precision | None = None,
+    k_scale=1.0,  # fp8 caches only (fp8.py): per-layer scales, traced scalars
+    v_scale=1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference backend: write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages)."""
-    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale)
     out = ragged_paged_attention_reference(
-        q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision
+        q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
+        k_scale=k_scale, v_scale=v_scale,
     )
     return out, k_pages, v_pages
 

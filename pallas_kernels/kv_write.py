@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxserve.pallas_kernels import fp8
+
 TOKENS_PER_PROGRAM = 4
 
 
@@ -52,14 +54,18 @@ def write_kv_pallas(
     slot_mapping: jax.Array,  # [T] int32; out-of-range slots (padding) are dropped
     *,
     interpret: bool = False,
+    k_scale=1.0,  # fp8 caches only: rows are quantized (scaled, clamped: fp8.quantize) before the copy
+    v_scale=1.0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Same contract as ``reference.write_kv`` (in place when the cache is donated)."""
+    """Same contract as ``reference.write_kv`` (in place when the cache is donated). An fp8 cache's new rows
+    are quantized by XLA ahead of the kernel, a fusion over this step's T rows only; the kernel copies bytes."""
     n, p, k, d = k_pages.shape
     t = k_new.shape[0]
     t_pad = pl.cdiv(t, TOKENS_PER_PROGRAM) * TOKENS_PER_PROGRAM
     # Rows past T get slot -1: skipped, so their (out of bounds) new rows are never read.
     slots = jnp.pad(slot_mapping.astype(jnp.int32), (0, t_pad - t), constant_values=-1)
-    flat = lambda x, rows: x.astype(k_pages.dtype).reshape(rows, k * d)  # noqa: E731
+    flat = lambda x, rows: x.reshape(rows, k * d)  # noqa: E731
+    k_new, v_new = fp8.quantize(k_new, k_scale, k_pages.dtype), fp8.quantize(v_new, v_scale, v_pages.dtype)
     kernel = functools.partial(_write_kernel, n_slots=n * p, head_dim=d)
     k_out, v_out = pl.pallas_call(
         kernel,

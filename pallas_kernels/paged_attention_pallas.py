@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels import kv_write, mosaic_prefill
+from jaxserve.pallas_kernels import fp8, kv_write, mosaic_prefill
 from jaxserve.pallas_kernels import triton_common as tc
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.reference import write_kv
@@ -73,9 +73,16 @@ def _decode_splits(num_seqs: int, num_kv_heads: int, tiles_per_seq: int) -> int:
     return max(1, min(splits, tiles_per_seq))
 
 
-def _use_mosaic_prefill(cfg: GpuKernelConfig, q, page_size: int, sliding_window, interpret: bool) -> bool:
+def _use_mosaic_prefill(
+    cfg: GpuKernelConfig, q, page_size: int, sliding_window, interpret: bool, kv_dtype=None
+) -> bool:
     if cfg.prefill_impl not in ("auto", "mosaic", "triton"):
         raise ValueError(f"prefill_impl={cfg.prefill_impl!r}: use 'auto', 'mosaic' or 'triton'")
+    if kv_dtype is not None and fp8.is_fp8(kv_dtype):
+        # The Mosaic kernel's TMA/wgmma pipeline takes bf16/fp16 pages only: an fp8 cache prefills in Triton.
+        if cfg.prefill_impl == "mosaic":
+            raise ValueError("prefill_impl='mosaic' does not read an fp8 KV cache yet; use prefill_impl='auto' or 'triton'")
+        return False
     if cfg.prefill_impl == "triton" or (cfg.prefill_impl == "auto" and interpret):
         return False
     reason = mosaic_prefill.unsupported_reason(
@@ -101,13 +108,24 @@ def paged_attention_pallas(
     platform: str = "gpu",
     interpret: bool = False,
     config: GpuKernelConfig | None = None,
+    k_scale=1.0,  # fp8 caches only (fp8.py); GPU kernels only (the TPU op reads no fp8 here yet)
+    v_scale=1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages).
+
+    Over an fp8 cache the kernels convert each K/V tile to q's dtype in registers; the scales are folded
+    outside them, exactly (dequantization is linear): q·(k·ks) = (q·ks)·k, and sum p·(v·vs) = vs·sum p·v.
 
     ``precision`` goes to the Triton kernels' products (None: from q's dtype, float32 exact). The TPU op
     takes none, and the Mosaic prefill takes only bf16/fp16 (a float32 prefill runs in the Triton kernel).
     """
+    is_fp8 = fp8.is_fp8(k_pages.dtype)
     if platform == "tpu":
+        if is_fp8:
+            raise ValueError(
+                "the TPU ragged paged attention op does not read an fp8 KV cache in jaxserve yet; use "
+                "kv_cache_dtype='auto' with attention_backend='pallas' on TPU, or attention_backend='xla'"
+            )
         from jaxserve.pallas_kernels.tpu_ragged_adapter import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(
@@ -117,13 +135,20 @@ def paged_attention_pallas(
     if cfg.kv_write not in ("pallas", "xla"):
         raise ValueError(f"kv_write={cfg.kv_write!r}: use 'pallas' or 'xla'")
     if cfg.kv_write == "pallas" and kv_write.supported(k_pages.shape[2], k_pages.shape[3]):
-        k_pages, v_pages = kv_write.write_kv_pallas(k_pages, v_pages, k_new, v_new, md.slot_mapping, interpret=interpret)
+        k_pages, v_pages = kv_write.write_kv_pallas(
+            k_pages, v_pages, k_new, v_new, md.slot_mapping, interpret=interpret, k_scale=k_scale, v_scale=v_scale
+        )
     else:
-        k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale)
+    if is_fp8:
+        # One extra rounding of q in its own dtype (exact for the default scale 1.0): far below fp8's.
+        q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
     out = ragged_attention_gpu(
         q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
         interpret=interpret, config=config,
     )  # fmt: skip
+    if is_fp8:
+        out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
     return out, k_pages, v_pages
 
 
@@ -151,7 +176,7 @@ def ragged_attention_gpu(
     gp = tc.next_pow2(g)  # Triton tiles need power-of-two sizes
     q_per_seq = max(1, 16 // gp)  # decode rows = q_per_seq * gp >= 16, the smallest MMA tile
     block_q = max(1, cfg.prefill_rows // gp)
-    use_mosaic = _use_mosaic_prefill(cfg, q, page_size, sliding_window, interpret)
+    use_mosaic = _use_mosaic_prefill(cfg, q, page_size, sliding_window, interpret, k_pages.dtype)
     # [T + pad, K, Gp, D]: the query heads of a KV head side by side. The Triton prefill kernel's tiles need
     # padding rows to stay in bounds, and so does the interpreter (it clamps the decode kernel's row window);
     # the decode kernel itself masks its loads and the Mosaic kernel reads q itself, so that path pads

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels import fp8
 from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 
@@ -26,6 +27,8 @@ def write_kv(
     k_new: jax.Array,  # [T, K, D]
     v_new: jax.Array,  # [T, K, D]
     slot_mapping: jax.Array,  # [T] int32; out-of-range slots (padding) are dropped
+    k_scale=1.0,  # fp8 caches only: stored values are x / scale, clipped (fp8.quantize)
+    v_scale=1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys and values into their cache slots (in place when the cache is donated)."""
     n, p, k, d = k_pages.shape
@@ -36,8 +39,9 @@ def write_kv(
         # it a scatter, which updates in place.
         k_new, v_new = _with_dropped_row(k_new), _with_dropped_row(v_new)  # [2, K, D]
         slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), n * p, slot_mapping.dtype)])  # [2]
-    k_flat = k_pages.reshape(n * p, k, d).at[slot_mapping].set(k_new.astype(k_pages.dtype), mode="drop")
-    v_flat = v_pages.reshape(n * p, k, d).at[slot_mapping].set(v_new.astype(v_pages.dtype), mode="drop")
+    k_new, v_new = fp8.quantize(k_new, k_scale, k_pages.dtype), fp8.quantize(v_new, v_scale, v_pages.dtype)
+    k_flat = k_pages.reshape(n * p, k, d).at[slot_mapping].set(k_new, mode="drop")
+    v_flat = v_pages.reshape(n * p, k, d).at[slot_mapping].set(v_new, mode="drop")
     return k_flat.reshape(n, p, k, d), v_flat.reshape(n, p, k, d)
 
 
@@ -54,6 +58,8 @@ def ragged_paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     precision: jax.lax.Precision | None = None,
+    k_scale=1.0,  # fp8 caches: what the stored values are multiplied by when read (fp8.dequantize)
+    v_scale=1.0,
 ) -> jax.Array:  # [T, H, D]
     """Causal attention of each new token over its own sequence's cached context.
 
@@ -73,7 +79,7 @@ def ragged_paged_attention_reference(
     v_ctx = v_pages[tables].reshape(t, c, kh, d)
     qg = q.reshape(t, kh, g, d).astype(jnp.float32)
 
-    scores = jnp.einsum("tkgd,tckd->tkgc", qg, k_ctx.astype(jnp.float32), precision=precision) * scale  # [T, K, G, C]
+    scores = jnp.einsum("tkgd,tckd->tkgc", qg, fp8.dequantize(k_ctx, k_scale), precision=precision) * scale  # [T, K, G, C]
     ctx_pos = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
     q_pos = md.positions[:, None]  # [T, 1]
     seq_len = md.seq_lens[md.token_seq_ids][:, None]  # [T, 1]
@@ -83,5 +89,5 @@ def ragged_paged_attention_reference(
     scores = jnp.where(visible[:, None, None, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, None, None, :], probs, 0.0)
-    out = jnp.einsum("tkgc,tckd->tkgd", probs, v_ctx.astype(jnp.float32), precision=precision)
+    out = jnp.einsum("tkgc,tckd->tkgd", probs, fp8.dequantize(v_ctx, v_scale), precision=precision)
     return out.reshape(t, h, d).astype(q.dtype)

@@ -19,9 +19,14 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
 
-def load_kv_tile(pages_ref, tables_ref, seq, tok0, kv_head, tile_tokens: int, seq_len=None, mask_mode="none"):
+def load_kv_tile(
+    pages_ref, tables_ref, seq, tok0, kv_head, tile_tokens: int, seq_len=None, mask_mode="none", dtype=None
+):
     """K or V of context tokens [tok0, tok0 + TK) of one sequence and one KV head: [TK, D].
 
+    An fp8 cache's tile is converted to ``dtype`` (the query's) in registers, right after the load: the
+    products then take one operand type. Its scale is not applied here: the caller folds it into q and the
+    output (fp8.py), which costs nothing per tile.
     tok0 is a multiple of TK. A tile of whole pages gathers TK // P pages through the block table; a
     tile smaller than a page (big pages, fp32) reads a slice of one page. ``mask_mode`` zeroes tokens at
     or past ``seq_len`` ("where": after the load; "load": a masked load) so that stale NaNs cannot reach
@@ -45,6 +50,8 @@ def load_kv_tile(pages_ref, tables_ref, seq, tok0, kv_head, tile_tokens: int, se
     else:
         tile = pages_ref[idx]
     tile = tile.reshape(tile_tokens, shape[-1])  # [TK, D]
+    if dtype is not None and tile.dtype != dtype:
+        tile = tile.astype(dtype)  # before the mask: fp8 selects are not worth relying on in Triton
     if mask_mode == "where":
         in_seq = (tok0 + lax.broadcasted_iota(jnp.int32, (tile_tokens, 1), 0)) < seq_len  # [TK, 1]
         tile = jnp.where(in_seq, tile, 0)

@@ -80,8 +80,8 @@ def _decode_kernel(
         tok0 = lo + i * tile_tokens
         kv_pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 1)  # [M, TK]
         # K needs no masking (masked logits are replaced); V does unless v_mask is "none".
-        k = tc.load_kv_tile(k_ref, tables_ref, s, tok0, kh, tile_tokens)  # [TK, D]
-        v = tc.load_kv_tile(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mask)  # [TK, D]
+        k = tc.load_kv_tile(k_ref, tables_ref, s, tok0, kh, tile_tokens, dtype=q.dtype)  # [TK, D]
+        v = tc.load_kv_tile(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mask, q.dtype)  # [TK, D]
         visible = kv_pos <= q_pos
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window

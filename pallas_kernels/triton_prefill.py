@@ -93,11 +93,11 @@ def _prefill_kernel(
         def body(tile, carry, masked: bool):
             t0 = tile * tile_tokens
             # K needs no masking (masked logits are replaced); V does unless v_mask is "none".
-            k = tc.load_kv_tile(k_ref, tables_ref, s, t0, kh, tile_tokens)  # [TK, D]
+            k = tc.load_kv_tile(k_ref, tables_ref, s, t0, kh, tile_tokens, dtype=q.dtype)  # [TK, D]
             if not masked:
-                v = tc.load_kv_tile(v_ref, tables_ref, s, t0, kh, tile_tokens)  # [TK, D], all < seq_len
+                v = tc.load_kv_tile(v_ref, tables_ref, s, t0, kh, tile_tokens, dtype=q.dtype)  # [TK, D], all < seq_len
                 return tc.online_softmax_step(q, k, v, None, carry, scale=scale, precision=precision)
-            v = tc.load_kv_tile(v_ref, tables_ref, s, t0, kh, tile_tokens, seq_len, v_mask)  # [TK, D]
+            v = tc.load_kv_tile(v_ref, tables_ref, s, t0, kh, tile_tokens, seq_len, v_mask, q.dtype)  # [TK, D]
             kv_pos = t0 + lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 1)  # [M, TK]
             visible = kv_pos <= q_pos
             if sliding_window is not None:

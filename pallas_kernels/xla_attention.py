@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels import fp8
 from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.reference import _MASK_VALUE, write_kv
@@ -53,6 +54,8 @@ def ragged_paged_attention_xla(
     scale: float,
     sliding_window: int | None = None,
     precision: jax.lax.Precision | None = None,  # of every product; None: from q's dtype (precision.resolve)
+    k_scale=1.0,  # fp8 caches (fp8.py): stored values times these are the keys and values
+    v_scale=1.0,
 ) -> jax.Array:  # [T, H, D]
     t, h, d = q.shape
     precision = prec.resolve(precision, q.dtype)
@@ -64,6 +67,11 @@ def ragged_paged_attention_xla(
     md = jax.tree.map(jnp.asarray, md)  # eager mode passes numpy arrays, which traced indices cannot index
 
     qg = q.reshape(t, kh, g, d).astype(f32)
+    if fp8.is_fp8(k_pages.dtype):
+        # Route 2 reads this step's keys unquantized: round them as the cache holds them, so every route
+        # sees the same keys and the backend still agrees with the reference.
+        k_new = fp8.dequantize(fp8.quantize(k_new, k_scale, k_pages.dtype), k_scale)
+        v_new = fp8.dequantize(fp8.quantize(v_new, v_scale, v_pages.dtype), v_scale)
     q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]  # [S]
     num_cached = md.seq_lens - q_lens  # [S] context before this step's tokens
     seq_of, pos = md.token_seq_ids, md.positions  # [T]
@@ -80,8 +88,8 @@ def ragged_paged_attention_xla(
         rows = i * ch
         tables = jax.lax.dynamic_slice_in_dim(md.block_tables, rows, ch)  # [ch, B]
         lens = jax.lax.dynamic_slice_in_dim(md.seq_lens, rows, ch)  # [ch]
-        k_seq = k_pages[tables].reshape(ch, c, kh, d).astype(f32)  # [ch, C, K, D]
-        v_seq = v_pages[tables].reshape(ch, c, kh, d).astype(f32)
+        k_seq = fp8.dequantize(k_pages[tables].reshape(ch, c, kh, d), k_scale)  # [ch, C, K, D]
+        v_seq = fp8.dequantize(v_pages[tables].reshape(ch, c, kh, d), v_scale)
         vis = ctx_pos[None, :] < lens[:, None]  # [ch, C]
         if sliding_window is not None:
             vis &= ctx_pos[None, :] > lens[:, None] - 1 - sliding_window
@@ -120,8 +128,8 @@ def ragged_paged_attention_xla(
 
     def add_cached(i, acc):
         sid = ids[i]
-        kc = k_pages[md.block_tables[sid]].reshape(c, kh, d).astype(f32).transpose(1, 0, 2)  # [K, C, D]
-        vc = v_pages[md.block_tables[sid]].reshape(c, kh, d).astype(f32).transpose(1, 0, 2)
+        kc = fp8.dequantize(k_pages[md.block_tables[sid]].reshape(c, kh, d), k_scale).transpose(1, 0, 2)  # [K, C, D]
+        vc = fp8.dequantize(v_pages[md.block_tables[sid]].reshape(c, kh, d), v_scale).transpose(1, 0, 2)
         vis = (seq_of[:, None] == sid) & (ctx_pos[None, :] < num_cached[sid])  # [T, C]
         if sliding_window is not None:
             vis &= ctx_pos[None, :] > pos[:, None] - sliding_window
@@ -147,14 +155,17 @@ def paged_attention_xla(
     scale: float,
     sliding_window: int | None = None,
     precision: jax.lax.Precision | None = None,
+    k_scale=1.0,  # fp8 caches only (fp8.py)
+    v_scale=1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The 'xla' backend: write this step's KV, then attend. Returns (out[T,H,D], k_pages, v_pages).
 
     The write comes first on purpose: gathering from the cache before updating it makes XLA keep the
     old cache alive and copy it whole (measured ~7x slower on CPU).
     """
-    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale)
     out = ragged_paged_attention_xla(
-        q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision
+        q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
+        k_scale=k_scale, v_scale=v_scale,
     )
     return out, k_pages, v_pages

@@ -96,6 +96,8 @@ def run(ns: argparse.Namespace) -> int:
         "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
         "startup_s": startup_s,
+        # Cumulative, warm-up included (2 short requests, which never preempt).
+        "num_preemptions": getattr(engine.get_stats(), "num_preemptions", None) if hasattr(engine, "get_stats") else None,
         "engine_info": engine.info(),
         "engine_args": dataclasses.asdict(args),
         # A data-parallel router has not started JAX on the devices (its replicas hold them): ask them.
@@ -106,7 +108,8 @@ def run(ns: argparse.Namespace) -> int:
     }
     print(
         f"jaxserve: {len(work)} requests in {elapsed:.2f}s: {result['requests_per_s']:.2f} req/s, "
-        f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s"
+        f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s, "
+        f"{result['num_preemptions']} preemptions, {result['engine_info'].get('num_kv_blocks')} KV blocks"
     )
     if ns.roofline:
         sc = engine.scheduler_config

@@ -22,11 +22,13 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.models.config import TextModelConfig
+from jaxserve.models.loader.kv_scales import SCALE_SUFFIXES, apply_kv_scales, read_kv_scales
 from jaxserve.models.registry import abstract_model
 from jaxserve.pallas_kernels.attention import AttentionFn
 
 # Tensors some checkpoints carry that the model recomputes or does not use.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# KV cache scales are read apart (kv_scales.py), not as parameters.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",) + SCALE_SUFFIXES
 
 _LEAF_TO_HF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
 
@@ -202,9 +204,11 @@ def load_from_hf_tensors(
     """
     abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision)
     shardings = shardings_fn(abstract) if shardings_fn is not None else None
-    return load_weights(
+    model = load_weights(
         abstract, tensors, tied_embeddings=cfg.tie_word_embeddings, shardings=shardings, progress=progress
     )
+    apply_kv_scales(model, read_kv_scales(tensors))
+    return model
 
 
 def weights_bar(abstract_leaves: Iterable[Any], progress: bool) -> tqdm:

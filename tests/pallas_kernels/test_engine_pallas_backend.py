@@ -26,3 +26,21 @@ def test_pallas_backend_matches_reference_and_hf(variant):
         assert [o.outputs[0].token_ids for o in outs] == want, backend
         if backend == "pallas":  # pure-decode steps ran their own program (no prefill kernel)
             assert any(decode_only for *_, decode_only in llm.llm_engine.runner.compiled_shapes)
+
+
+@pytest.mark.slow  # ~30 s: the pallas engine runs interpreted on CPU
+def test_fp8_kv_cache_same_tokens_in_pallas_and_xla():
+    """Over an fp8 cache both backends read the same dequantized values: the same greedy tokens. e5m2, the
+    coarser format, where a wrong scale or rounding would show first; the kernel tests cover e4m3 too."""
+    path = checkpoint("llama_gqa")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 500, size=n).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    kw = small_engine_kwargs(max_num_batched_tokens=64, kv_cache_dtype="fp8_e5m2")
+    got = {}
+    for backend in ("xla", "pallas"):
+        llm = LLM(path, attention_backend=backend, **kw)
+        assert llm.llm_engine.runner.kv_caches[0][0].dtype.name.startswith("float8")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got[backend] = [o.outputs[0].token_ids for o in outs]
+    assert got["pallas"] == got["xla"], got

@@ -1,0 +1,47 @@
+"""fp8 KV cache: how values are stored (quantize) and read back (dequantize).
+
+A cache in an fp8 dtype holds ``clip(x / scale, -max, max)`` rounded to that dtype; a reader multiplies by
+``scale`` again. Clipping first matters: a plain cast of a value past the format's range gives NaN
+(float8_e4m3fn has no inf) or inf (float8_e5m2), and one NaN key poisons every later softmax of its
+sequence. ``scale`` is per layer, for K and V separately (1.0 by default, as in vLLM); inside the jitted
+attention it is a traced float32 scalar, so layers with different scales share one trace.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# kv_cache_dtype (EngineArgs) -> the cache's dtype; "auto" is the model's dtype (see kv_cache_dtype_for).
+FP8_DTYPES = {
+    "fp8": jnp.float8_e4m3fn,  # vLLM's meaning of plain "fp8"
+    "fp8_e4m3": jnp.float8_e4m3fn,  # 3 mantissa bits, range +-448: the more accurate
+    "fp8_e5m2": jnp.float8_e5m2,  # 2 mantissa bits, range +-57344: the wider
+}
+
+
+def kv_cache_dtype_for(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
+    """The cache's dtype for an (already validated) ``kv_cache_dtype``; dashes work as underscores."""
+    name = kv_cache_dtype.replace("-", "_")
+    return jnp.dtype(model_dtype) if name == "auto" else jnp.dtype(FP8_DTYPES[name])
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def quantize(x: jax.Array, scale, dtype) -> jax.Array:
+    """Values as the cache stores them: divided by ``scale``, clipped to ``dtype``'s range, rounded.
+    For a non-fp8 ``dtype`` a plain cast (scales apply to fp8 caches only)."""
+    if not is_fp8(dtype):
+        return x.astype(dtype)
+    big = float(jnp.finfo(dtype).max)
+    y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    return jnp.clip(y, -big, big).astype(dtype)
+
+
+def dequantize(x: jax.Array, scale, dtype=jnp.float32) -> jax.Array:
+    """What a reader sees of stored values, in ``dtype``: times ``scale`` for an fp8 cache, else a cast."""
+    if not is_fp8(x.dtype):
+        return x.astype(dtype)
+    return (x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(dtype)

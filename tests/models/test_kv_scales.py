@@ -1,0 +1,46 @@
+"""fp8 KV cache scales from a checkpoint (``self_attn.k_scale`` / ``v_scale`` / ``kv_scale``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from engine_fixtures import checkpoint
+from safetensors.numpy import load_file, save_file
+
+from jaxserve.models.loader.kv_scales import read_kv_scales
+
+
+def test_read_kv_scales_names_and_defaults():
+    one = np.ones((), np.float32)
+    tensors = {
+        "model.layers.0.self_attn.k_scale": 0.5 * one, "model.layers.0.self_attn.v_scale": 2.0 * one,
+        "model.layers.1.self_attn.kv_scale": np.array([3.0], np.float32),  # older: one for both
+        "model.layers.2.self_attn.k_scale": 4.0 * one,  # V left at 1.0
+        "model.layers.0.self_attn.q_proj.weight": np.zeros((2, 2), np.float32),
+    }  # fmt: skip
+    assert read_kv_scales(tensors) == {0: (0.5, 2.0), 1: (3.0, 3.0), 2: (4.0, 1.0)}
+    assert read_kv_scales(iter(tensors.items())) == {}  # a stream (GGUF) has none
+    with pytest.raises(ValueError, match=r"k_scale.*must be > 0"):
+        read_kv_scales({"model.layers.0.self_attn.k_scale": np.zeros((), np.float32)})
+
+
+def test_checkpoint_scales_reach_the_attention_layers(tmp_path):
+    import jax.numpy as jnp
+
+    from jaxserve.models.loader.hf import load_hf_model
+    from jaxserve.pallas_kernels.attention import get_attention_fn
+
+    src = checkpoint("llama_gqa")
+    path = tmp_path / "with_scales"
+    shutil.copytree(src, path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_scale"] = np.array(0.25, np.float32)
+    tensors["model.layers.1.self_attn.v_scale"] = np.array(0.125, np.float32)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    model, _ = load_hf_model(str(path), dtype=jnp.float32, attention_fn=get_attention_fn("xla", "cpu"))
+    layers = model.model.layers
+    assert (layers[0].self_attn.k_scale, layers[0].self_attn.v_scale) == (1.0, 1.0)
+    assert (layers[1].self_attn.k_scale, layers[1].self_attn.v_scale) == (0.25, 0.125)
