@@ -255,12 +255,7 @@ class KVCacheManager:
         if blocks is None:
             return
         for block in reversed(blocks):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_queue.append_front(block)
-                else:
-                    self.free_queue.append(block)
+            self._release(block)
 
     def free_tail(self, request: Request, num_tokens: int) -> None:
         """Give back the request's blocks past the first ``num_tokens`` slots: after a verify step, the slots of
@@ -272,14 +267,18 @@ class KVCacheManager:
         keep = max(self.num_blocks_for(num_tokens), self._req_num_cached[req_id])
         block_ids = self._req_block_ids[req_id]
         while len(blocks) > keep:
-            block = blocks.pop()
             block_ids.pop()
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_queue.append_front(block)
-                else:
-                    self.free_queue.append(block)
+            self._release(blocks.pop())
+
+    def _release(self, block) -> None:
+        """Drop one reference; an unreferenced block goes to the free queue: unhashed ones to the front (nothing
+        can revive them), hashed ones to the back, so their cached prefix stays findable the longest."""
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.block_hash is None:
+                self.free_queue.append_front(block)
+            else:
+                self.free_queue.append(block)
 
     def get_block_ids(self, request: Request) -> list[int]:
         """The request's block table. The manager's own list: read only, and valid until the next

@@ -17,12 +17,10 @@ from starlette.routing import Route
 
 from jaxserve.pooling_engine import encode_text
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.server.deltas import final_outputs
 from jaxserve.server.errors import APIError, bad_request, from_value_error
 from jaxserve.server.protocol import _Request
 from jaxserve.server.protocol_responses import now_s, random_id
-from jaxserve.server.serving import abort_unfinished, engine_error, get_state, parse_body
-from jaxserve.server.sse import cancel_on_disconnect
+from jaxserve.server.serving import collect_finals, get_state, parse_body
 
 _MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -124,12 +122,7 @@ async def create_embedding(request: Request) -> Response:
             prompts.append(list(item)[-keep:] if keep else list(item))
     request_id = random_id("embd")
     streams = await state.submit(request_id, prompts, params)
-    try:
-        finals = await cancel_on_disconnect(request, final_outputs(streams))
-    except Exception as e:
-        raise engine_error(e) from e
-    finally:
-        abort_unfinished(state.engine, streams)
+    finals = await collect_finals(request, state.engine, streams)
     if any(f.outputs is None for f in finals):
         raise APIError(500, "the request was aborted before its embedding was computed (server shutting down?)")
     data = [

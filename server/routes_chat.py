@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.llm import render_chat
 
-from jaxserve.server.deltas import DeltaTracker, final_outputs
+from jaxserve.server.deltas import DeltaTracker
 from jaxserve.server.errors import bad_request, from_value_error
 from jaxserve.server.logprobs import chat_logprobs
 from jaxserve.server.protocol import ChatCompletionRequest
@@ -26,9 +26,9 @@ from jaxserve.server.protocol_responses import (
     random_id,
 )
 from jaxserve.server.serving import (
-    ServerState, abort_unfinished, engine_error, get_state, guard_stream, parse_body, stream_choices, usage,
+    ServerState, collect_finals, get_state, guard_stream, parse_body, stream_choices, usage,
 )
-from jaxserve.server.sse import SSEResponse, cancel_on_disconnect, sse_event
+from jaxserve.server.sse import SSEResponse, sse_event
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -73,12 +73,7 @@ async def create_chat_completion(request: Request) -> Response:
     if body.stream:
         events = _stream(state, body, model, request_id, streams, len(prompt), top_k)
         return SSEResponse(guard_stream(events, what="chat", request_id=request_id, engine=state.engine, streams=streams))
-    try:
-        finals = await cancel_on_disconnect(request, final_outputs(streams))
-    except Exception as e:
-        raise engine_error(e) from e
-    finally:
-        abort_unfinished(state.engine, streams)
+    finals = await collect_finals(request, state.engine, streams)
     tracker = DeltaTracker(body.n, [len(prompt)])
     choices = []
     for d in tracker.update(0, finals[0]):

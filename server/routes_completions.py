@@ -8,7 +8,7 @@ from typing import AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs
+from jaxserve.server.deltas import Delta, DeltaTracker
 from jaxserve.server.errors import bad_request, from_value_error
 from jaxserve.server.logprobs import completion_logprobs
 from jaxserve.server.protocol import CompletionRequest
@@ -19,9 +19,9 @@ from jaxserve.server.protocol_responses import (
     random_id,
 )
 from jaxserve.server.serving import (
-    ServerState, abort_unfinished, engine_error, get_state, guard_stream, parse_body, stream_choices, usage,
+    ServerState, collect_finals, get_state, guard_stream, parse_body, stream_choices, usage,
 )
-from jaxserve.server.sse import SSEResponse, cancel_on_disconnect, sse_event
+from jaxserve.server.sse import SSEResponse, sse_event
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -61,12 +61,7 @@ async def create_completion(request: Request) -> Response:
         return SSEResponse(
             guard_stream(events, what="completion", request_id=request_id, engine=state.engine, streams=streams)
         )
-    try:
-        finals = await cancel_on_disconnect(request, final_outputs(streams))
-    except Exception as e:
-        raise engine_error(e) from e
-    finally:
-        abort_unfinished(state.engine, streams)
+    finals = await collect_finals(request, state.engine, streams)
     tracker = DeltaTracker(body.n, [len(p) for p in prompts])
     choices = []
     for i, out in enumerate(finals):

@@ -14,10 +14,10 @@ from starlette.requests import Request
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from jaxserve.sampling_params import SamplingParams
 
-from jaxserve.server.deltas import Delta, DeltaTracker, stream_outputs
+from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
 from jaxserve.server.errors import APIError, bad_request, error_body, from_validation_error, from_value_error
 from jaxserve.server.protocol_responses import UsageInfo, now_s
-from jaxserve.server.sse import DONE
+from jaxserve.server.sse import DONE, cancel_on_disconnect
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -152,6 +152,17 @@ def abort_unfinished(engine: AsyncLLMEngine, streams: list[RequestStream]) -> No
         engine.abort(ids)
 
 
+async def collect_finals(request: Request, engine: AsyncLLMEngine, streams: list[RequestStream]) -> list:
+    """Every stream's final output (a non-streaming response). A client that goes away cancels the wait; an
+    engine failure becomes its API error; whatever did not finish is aborted, so its work is freed."""
+    try:
+        return await cancel_on_disconnect(request, final_outputs(streams))
+    except Exception as e:
+        raise engine_error(e) from e
+    finally:
+        abort_unfinished(engine, streams)
+
+
 def get_state(request: Request) -> ServerState:
     return request.app.state.jaxserve
 
@@ -177,7 +188,7 @@ async def guard_stream(
     """Relay a route's SSE events. The status line is already sent, so an engine error mid-stream becomes
     an in-band OpenAI error event (as OpenAI does); unfinished requests are aborted however the stream
     ends, a client disconnect included."""
-    from jaxserve.server.sse import DONE, sse_event
+    from jaxserve.server.sse import DONE, cancel_on_disconnect, sse_event
 
     try:
         async for event in events:
