@@ -49,6 +49,25 @@ class _EngineGauges(Collector):
             yield from _spec_decode_metrics(stats, self.model_name)
 
 
+class _CacheConfigInfo(Collector):
+    """The KV cache as built, as vLLM's ``cache_config_info``: a constant 1 whose labels carry the numbers (blocks
+    per replica, block size, cache dtype), so that an fp8 cache's larger block count shows on a dashboard."""
+
+    def __init__(self, info: dict, model_name: str) -> None:
+        self.labels = {
+            "model_name": model_name,
+            "num_gpu_blocks": str(info["num_kv_blocks"]),
+            "block_size": str(info["block_size"]),
+            "cache_dtype": str(info.get("kv_cache_dtype", "auto")),
+            "data_parallel_size": str(info.get("data_parallel_size", 1)),
+        }
+
+    def collect(self):
+        g = GaugeMetricFamily("jaxserve:cache_config_info", "Information of the KV cache as built.", labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), 1.0)
+        yield g
+
+
 def _spec_decode_metrics(stats, model_name: str):
     """vLLM's spec-decode counters; acceptance rate = accepted / draft tokens, mean acceptance length =
     1 + accepted / drafts (per position: accepted_per_pos / drafts)."""
@@ -102,6 +121,9 @@ class ServerMetrics(EngineObserver):
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         self.registry.register(_EngineGauges(engine, self.model_name))
+        info = engine.engine.info()
+        if "num_kv_blocks" in info:  # generate engines (a pooling engine keeps no KV cache)
+            self.registry.register(_CacheConfigInfo(info, self.model_name))
 
     # EngineObserver hooks (engine thread).
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:

@@ -231,3 +231,11 @@ def test_metrics_count_tokens_and_latencies(http):
     assert metric(http, "jaxserve:prompt_tokens_total") == prompt_before + 3
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert metric(http, f"jaxserve:{name}_count") >= 1
+
+
+def test_metrics_describe_the_kv_cache(server, http):
+    """vLLM's cache_config_info: the KV cache as built (blocks, block size, dtype) in the gauge's labels."""
+    info = server.engine.engine.info()
+    labels = {"num_gpu_blocks": str(info["num_kv_blocks"]), "block_size": str(info["block_size"]),
+              "cache_dtype": info["kv_cache_dtype"]}  # fmt: skip
+    assert metric(http, "jaxserve:cache_config_info", **labels) == 1.0
