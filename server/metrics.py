@@ -121,7 +121,8 @@ class ServerMetrics(EngineObserver):
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         self.registry.register(_EngineGauges(engine, self.model_name))
-        info = engine.engine.info()
+        info_fn = getattr(engine.engine, "info", None)  # test doubles of the engine may have none
+        info = info_fn() if info_fn is not None else {}
         if "num_kv_blocks" in info:  # generate engines (a pooling engine keeps no KV cache)
             self.registry.register(_CacheConfigInfo(info, self.model_name))
 
