@@ -46,6 +46,7 @@ def _decode_kernel(
     heads_inner: bool,
     aliased: bool,
     precision: lax.Precision | None,
+    compute_dtype=None,
 ):
     out_refs = refs[1:] if aliased else refs
     if heads_inner:
@@ -65,6 +66,8 @@ def _decode_kernel(
     tok_ok = active & (lax.broadcasted_iota(jnp.int32, (q_per_seq, gp), 0) < q_len)  # [QA, Gp]
     q_mask = jnp.broadcast_to(tok_ok[:, :, None], (q_per_seq, gp, head_dim))
     q = plgpu.load(q_ref.at[pl.ds(q_start, q_per_seq), kh, :, :], mask=q_mask, other=0).reshape(rows, head_dim)
+    if compute_dtype is not None:
+        q = q.astype(compute_dtype)
     row_tok = lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 0) // gp  # [M, TK]
     q_pos = seq_len - q_len + row_tok  # [M, TK] position of each row's token
 
@@ -159,6 +162,9 @@ def decode_attention(
     num_stages: int,
     heads_inner: bool = True,
     precision: lax.Precision | None = None,  # of the kernel's products; None: from q's dtype (precision.resolve)
+    # The products' operand type when it is not q's: float16 over an fp8 cache, whose tiles convert to
+    # float16 in fewer instructions than to bfloat16 (e5m2 is float16's top byte).
+    compute_dtype=None,
     out: jax.Array | None = None,  # [T', K, Gp, D]: write the decode rows into this buffer (aliased)
     interpret: bool,
 ) -> jax.Array:  # `out` with the decode tokens' rows written, else a new [T + QA, K, Gp, D] holding only those
@@ -185,6 +191,7 @@ def decode_attention(
         sliding_window=sliding_window,
         v_mask=v_mask,
         heads_inner=heads_inner,
+        compute_dtype=compute_dtype,
         aliased=aliased and single,
         precision=prec.resolve(precision, q_p.dtype),
     )
