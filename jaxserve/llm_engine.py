@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from jaxserve.engine_setup import EngineComponents, build_engine_components
 from jaxserve.config import EngineArgs
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.lora.request import LoRARequest
 from jaxserve.output_processor import OutputProcessor, RequestGroup, SampleState
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -140,13 +141,17 @@ class LLMEngine:
         prompt: PromptType,
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
-        """Queue a request; raises ValueError for bad input without disturbing other requests."""
+        """Queue a request; raises ValueError for bad input without disturbing other requests.
+        ``lora_request``: run it with that PEFT adapter (needs enable_lora); it is read here, if not already."""
         params = params or SamplingParams()
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         room = self.model_config.max_model_len - len(prompt_ids)
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
@@ -155,7 +160,9 @@ class LLMEngine:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = self._seed_for(params.seed, i)
-            req = Request(child_id, prompt_ids, params, self.eos_token_ids, seed=seed, arrival_time=arrival)
+            req = Request(
+                child_id, prompt_ids, params, self.eos_token_ids, seed=seed, arrival_time=arrival, lora_request=lora_request
+            )
             detok = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -164,6 +171,29 @@ class LLMEngine:
         self.output_processor.add(group)
         for s in samples:
             self.scheduler.add_request(s.request)
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter on the host (vLLM's add_lora); raises ValueError naming what is wrong."""
+        if self.runner.lora is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} asked for, but this engine runs without LoRA: start it "
+                "with enable_lora=True (--enable-lora)"
+            )
+        self.runner.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its host copy and device slot). Requests still using it must have finished."""
+        if self.runner.lora is None:
+            return False
+        if any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter id {lora_int_id} is in use by unfinished requests; unload it after they end")
+        return self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.runner.lora.requests) if self.runner.lora is not None else set()
 
     def _seed_for(self, seed: Optional[int], index: int) -> int:
         """Per-sample seed: the user's seed (mixed with the sample index for n > 1) or a fresh one."""
@@ -290,4 +320,5 @@ class LLMEngine:
             "tensor_parallel_size": self.runner.mesh.shape["model"],
             "data_parallel_size": 1,
             "speculative_config": None if self.speculator is None else dataclasses.asdict(self.speculator.config),
+            "lora": None if self.runner.lora_config is None else dataclasses.asdict(self.runner.lora_config),
         }
