@@ -78,10 +78,14 @@ def test_each_adapter_matches_peft_and_mixed_batch_matches_alone(llm, adapters):
 
 
 def test_lora_needs_enable_lora():
-    llm_kw = small_engine_kwargs()
-    llm = LLM(checkpoint("llama_gqa"), **llm_kw)
+    from types import SimpleNamespace
+
+    from jaxserve.llm_engine import LLMEngine
+
+    engine = LLMEngine.__new__(LLMEngine)  # no model needed: the check comes before any weight is read
+    engine.runner = SimpleNamespace(lora=None)
     with pytest.raises(ValueError, match="enable_lora"):
-        llm.generate([{"prompt_token_ids": [3, 4, 5]}], SP, use_tqdm=False, lora_request=LoRARequest("x", 1, "/nope"))
+        engine.add_lora(LoRARequest("x", 1, "/nope"))
 
 
 def _write_config(tmp_path, **overrides):
