@@ -38,6 +38,11 @@ _HELP = {
     "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
     "runner": "generate (an LM), pooling (embeddings: LLM.embed, /v1/embeddings) or auto (pooling for a "
     "sentence-transformers, BERT-family or bare *Model decoder checkpoint, else generate)",
+    "enable_lora": "serve LoRA adapters (Hugging Face PEFT format) per request; with --lora-modules on the server",
+    "max_loras": "LoRA adapters resident on the device at once (the step's LoRA work grows with it)",
+    "max_lora_rank": "largest adapter rank served (smaller ranks are zero-padded to it)",
+    "max_cpu_loras": "LoRA adapters kept read in host memory (default: --max-loras)",
+    "lora_dtype": "dtype of the LoRA weights: auto (the model's), float32, bfloat16, float16",
     "task": "vLLM's older spelling of --runner: embed (pooling) or generate",
 }
 

@@ -37,7 +37,7 @@ def adapters():
 def llm(adapters):
     base, _ = adapters
     # max_loras=2 with three adapters: steps mix two adapters and the base; the third waits, then evicts one.
-    return LLM(base, **small_engine_kwargs(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2))
+    return LLM(base, **small_engine_kwargs(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, precompile="none"))
 
 
 def _prompt(n=11, seed=0):
