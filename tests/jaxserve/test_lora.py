@@ -121,3 +121,18 @@ def test_scheduler_keeps_to_max_loras():
     out = sched.schedule()
     assert [s.req_id for s in out.seqs] == ["0", "1", "2", "4", "5"]  # "3" (a third adapter) waits
     assert {s.lora_request.lora_int_id for s in out.seqs if s.lora_request} == {1, 2}
+
+
+def test_tensor_and_data_parallel_match_peft(adapters):
+    """TP=2 (A sharded like the input, B like the output) inside each of DP=2 replica processes, which get the
+    LoRARequest with each request."""
+    base, loras = adapters
+    llm = LLM(base, tensor_parallel_size=2, data_parallel_size=2,
+              **small_engine_kwargs(enable_lora=True, max_loras=2, precompile="none"))  # fmt: skip
+    prompt = _prompt()
+    names = ["b16", None, "a8", "b16"]
+    got = _gen(llm, [prompt] * 4, [loras[n] if n else None for n in names])
+    want = {n: peft_greedy(base, loras[n].lora_path, prompt, MAX_TOKENS) for n in ("a8", "b16")}
+    want[None] = hf_greedy(base, prompt, MAX_TOKENS, ignore_eos=True)
+    assert got == [want[n] for n in names]
+    llm.llm_engine.close()
