@@ -155,6 +155,13 @@ class ModelRunner:
         del state
         self.params, self._treedef = jax.tree.flatten(self.state)  # flat list: cheap to pass per call
         self._eager_model = nnx.merge(self.graphdef, self.state) if runner_config.enforce_eager else None
+        # LoRA adapter slots (jaxserve.lora.slots), allocated before the KV cache is sized from the memory left.
+        self.lora_config = lora_config
+        self.lora = None
+        if lora_config is not None:
+            from jaxserve.lora.slots import LoRASlots
+
+            self.lora = LoRASlots(lora_config, text_config, self.mesh)
         self.dtype = jnp.dtype(model_config.dtype)
         # The cache's dtype: the model's (auto) or an fp8 one, which halves the bytes of a block, so the same
         # memory budget holds about twice the blocks.
@@ -188,13 +195,8 @@ class ModelRunner:
         param_shardings = [x.sharding for x in self.params]
         # LoRA: the slot arrays ride at the end of the step's parameter list (arguments, not constants: loading an
         # adapter into a slot recompiles nothing). Without LoRA the step program is exactly the plain one.
-        self.lora_config = lora_config
-        self.lora = None
         lora_spec = None
-        if lora_config is not None:
-            from jaxserve.lora.slots import LoRASlots
-
-            self.lora = LoRASlots(lora_config, text_config, self.mesh)
+        if self.lora is not None:
             param_shardings = param_shardings + self.lora.shardings
             lora_spec = (len(self.params), cfg.num_hidden_layers)
         cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
