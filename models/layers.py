@@ -130,11 +130,11 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:  # x [T, D] -> [T, D]
         gate_up = self.gate_up_proj(x)  # [T, 2, F]
         if lora is not None:  # models/lora.py's LoRABatch: gate and up deltas into the fused output
-            gate_up = gate_up + jnp.stack(lora.deltas("gate_up", x, self.down_proj.precision), axis=1)
+            gate_up = gate_up + lora.delta("gate_up", x, self.down_proj.precision)
         h = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, F]
         y = self.down_proj(h)
         if lora is not None:
-            y = y + lora.deltas("down", h, self.down_proj.precision)[0]
+            y = y + lora.delta("down", h, self.down_proj.precision)
         return y
 
 

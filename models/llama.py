@@ -80,9 +80,8 @@ class LlamaAttention(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:  # ([T, D], updated cache)
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, K, G+2, Dh]
-        if lora is not None:  # per-piece deltas into the fused output's q, k and v slices
-            dq, dk, dv = lora.deltas("qkv", x, self.precision)  # [T, K, G, Dh], [T, K, Dh], [T, K, Dh]
-            qkv = qkv + jnp.concatenate([dq, dk[:, :, None], dv[:, :, None]], axis=2)
+        if lora is not None:  # q, k and v's deltas, each in its slice of the fused output (models/lora.py)
+            qkv = qkv + lora.delta("qkv", x, self.precision)
         q = qkv[:, :, :-2].reshape(t, self.num_heads, self.head_dim)  # [T, H, Dh]: head h uses KV head h // G
         k, v = qkv[:, :, -2], qkv[:, :, -1]  # [T, K, Dh] each
         if self.q_norm is not None:
@@ -97,7 +96,7 @@ class LlamaAttention(nnx.Module):
         out = out.reshape(t, self.num_heads * self.head_dim)  # [T, H*Dh]
         y = self.o_proj(out)  # [T, D]
         if lora is not None:
-            y = y + lora.deltas("o", out, self.precision)[0]
+            y = y + lora.delta("o", out, self.precision)
         return y, (k_pages, v_pages)
 
 

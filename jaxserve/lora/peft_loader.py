@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.models.lora import GROUPS, PIECE_GROUP, TARGET_MODULES, group_inputs, layout_leaves, piece_shapes
+from jaxserve.models.lora import (
+    GROUPS, PIECE_GROUP, TARGET_MODULES, group_inputs, layout_leaves, piece_index, piece_out_shape,
+)  # fmt: skip
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -27,7 +29,8 @@ _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head", "embed", "wte", "norm")
 
 class LoRAAdapter:
     """One adapter on the host: its arrays for one slot, in ``layout_leaves`` order without the slot axis
-    (A [in, P, R], B_p [R, *out_p]; R = max_lora_rank, zero-padded; B scaled)."""
+    (A [in, P, R], B [P, R, *out]; R = max_lora_rank, zero-padded; B scaled, each piece's rows only in its
+    output slice)."""
 
     def __init__(self, name: str, rank: int, scaling: float, targets: tuple[str, ...], arrays: list[np.ndarray]):
         self.name = name
@@ -124,11 +127,11 @@ def load_adapter(path: str, text_config, max_lora_rank: int, dtype) -> LoRAAdapt
             raise ValueError(f"LoRA adapter {path!r}: tensor {name} is for layer {layer}, the model has {num_layers}")
         found.setdefault((layer, module), {})[ab] = np.asarray(value, np.float32)
 
-    pieces, inputs = piece_shapes(text_config), group_inputs(text_config)
+    inputs = group_inputs(text_config)
     for (layer, module), ab in found.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {path!r}: layer {layer} {module} has lora_{''.join(ab)} but not both A and B")
-        n_in, n_out = inputs[PIECE_GROUP[module]][0], math.prod(pieces[module].out_shape)
+        n_in, n_out = inputs[PIECE_GROUP[module]][0], math.prod(piece_out_shape(text_config, module))
         if ab["A"].shape != (rank, n_in) or ab["B"].shape != (n_out, rank):
             raise ValueError(
                 f"LoRA adapter {path!r}: layer {layer} {module}: lora_A {ab['A'].shape} / lora_B {ab['B'].shape}, "
@@ -136,18 +139,20 @@ def load_adapter(path: str, text_config, max_lora_rank: int, dtype) -> LoRAAdapt
             )
 
     arrays = []
-    for layer, group, piece, shape, _ in layout_leaves(text_config, 1, max_lora_rank, num_layers):
+    for layer, group, kind, shape, _ in layout_leaves(text_config, 1, max_lora_rank, num_layers):
         names = GROUPS[group][0]
-        if piece == "A":  # [in, 1, P, R] -> [in, P, R]
+        if kind == "A":  # [in, 1, P, R] -> [in, P, R]
             a = np.zeros((shape[0], len(names), max_lora_rank), np.float32)
             for i, p in enumerate(names):
                 if (layer, p) in found:
                     a[:, i, :rank] = found[(layer, p)]["A"].T
             arrays.append(a.astype(dtype))
-        else:  # [1, R, *out] -> [R, *out]
+        else:  # [1, P, R, *out] -> [P, R, *out]; piece i's rows only in its slice of the fused output
             b = np.zeros(shape[1:], np.float32)
-            if (layer, piece) in found:
-                b[:rank] = (found[(layer, piece)]["B"].T * np.float32(scaling)).reshape(rank, *shape[2:])
+            for i, p in enumerate(names):
+                if (layer, p) in found:
+                    b_t = (found[(layer, p)]["B"].T * np.float32(scaling)).reshape(rank, *piece_out_shape(text_config, p))
+                    b[(i, slice(0, rank), *piece_index(text_config, p))] = b_t
             arrays.append(b.astype(dtype))
     targets = tuple(sorted({module for _, module in found}))
     return LoRAAdapter(os.path.basename(os.path.normpath(path)), rank, scaling, targets, arrays)

@@ -29,7 +29,7 @@ logger = logging.getLogger("jaxserve")
 
 
 def _write_slot(arrays: list[jax.Array], slot: jax.Array, new: list[jax.Array], is_a: tuple[bool, ...]) -> list[jax.Array]:
-    """Put one adapter's arrays into ``slot``: A [in, N, P, R] along axis 1, B_p [N, R, *out] along axis 0."""
+    """Put one adapter's arrays into ``slot``: A [in, N, P, R] along axis 1, B [N, P, R, *out] along axis 0."""
     return [a.at[:, slot].set(n) if a_axis else a.at[slot].set(n) for a, n, a_axis in zip(arrays, new, is_a)]
 
 
@@ -42,7 +42,7 @@ class LoRASlots:
         self.num_slots = lora_config.max_loras + 1
         self.dtype = jnp.dtype(lora_config.lora_dtype)
         leaves = layout_leaves(text_config, self.num_slots, lora_config.max_lora_rank, text_config.num_hidden_layers)
-        self.is_a = tuple(piece == "A" for _, _, piece, _, _ in leaves)
+        self.is_a = tuple(kind == "A" for _, _, kind, _, _ in leaves)
         shardings = [sharding.logical_sharding(mesh, axes, shape) for *_, shape, axes in leaves]
         new_shardings = [
             sharding.logical_sharding(mesh, axes[:1] + axes[2:] if a else axes[1:], shape[:1] + shape[2:] if a else shape[1:])
