@@ -70,6 +70,8 @@ class LLMEngine:
         self._rng = random.Random(self.model_config.seed)
         self.async_scheduling = self.args.async_scheduling
         self.speculator = c.speculator  # None unless speculative_config is set (jaxserve.spec_decode)
+        if self.runner.lora is not None:  # an adapter's requests wait until its weights are read, the rest run
+            self.scheduler.lora_ready = self.runner.lora.is_ready
         self._in_flight: Optional[tuple[SchedulerOutput, StepHandle]] = None  # dispatched, not yet read
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
@@ -192,6 +194,18 @@ class LLMEngine:
             raise ValueError(f"LoRA adapter id {lora_int_id} is in use by unfinished requests; unload it after they end")
         return self.runner.lora.remove(lora_int_id)
 
+    def _abort_failed_loras(self) -> list[RequestOutput]:
+        """Abort the requests of adapters whose weights failed to read in the background (logged there)."""
+        lora = self.runner.lora
+        if lora is None or not lora.failed:
+            return []
+        failed = set(lora.failed)
+        groups = {g.request_id for g in self.output_processor.groups.values()
+                  if any(s.request.lora_int_id in failed for s in g.samples)}  # fmt: skip
+        for lora_id in failed:
+            lora.remove(lora_id)
+        return self.abort_request(sorted(groups))
+
     def list_loras(self) -> set[int]:
         return set(self.runner.lora.requests) if self.runner.lora is not None else set()
 
@@ -227,7 +241,7 @@ class LLMEngine:
             self.loop_time["steps"] += 1
             self.loop_time["total_s"] += time.perf_counter() - start
             return outputs
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._abort_failed_loras()
         if self._in_flight is not None and self.scheduler.has_pending_penalty_rows():
             # Penalties read the whole history on the host: let the in-flight token arrive first.
             outputs += self._finish(*self._in_flight)

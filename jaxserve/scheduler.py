@@ -26,7 +26,7 @@ thread, at most one step ahead of the results, and aborts must be delivered ther
 from __future__ import annotations
 
 import collections
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 from jaxserve.block_manager import KVCacheManager
 from jaxserve.request import Request, RequestStatus
@@ -74,8 +74,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()  # FIFO; preempted go in front
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0  # total, for metrics
-        # With LoRA: at most this many distinct adapters in one step (the device has that many slots).
+        # With LoRA: at most this many distinct adapters in one step (the device has that many slots), and only
+        # adapters whose weights have been read (``lora_ready(lora_request)``, set by the engine; None: all are).
         self.max_loras = max_loras
+        self.lora_ready: Optional[Callable] = None
 
     # ---- queries ----
 
@@ -271,7 +273,9 @@ class Scheduler:
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         """Whether the request's adapter (if any) can join this step's adapters within max_loras."""
         lora_id = request.lora_int_id
-        return not lora_id or lora_id in loras or len(loras - {0}) < self.max_loras
+        if not lora_id or lora_id in loras:
+            return True
+        return len(loras - {0}) < self.max_loras and (self.lora_ready is None or self.lora_ready(request.lora_request))
 
     def _reaches_limit(self, request: Request) -> bool:
         """A pending token will end this request by length: scheduling it again would compute past the end."""

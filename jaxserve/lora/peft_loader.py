@@ -99,20 +99,22 @@ def scaling_of(cfg: dict[str, Any]) -> float:
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
 
-def load_adapter(path: str, text_config, max_lora_rank: int, dtype) -> LoRAAdapter:
-    """Read, check and lay out one adapter for a slot (host arrays in ``dtype``)."""
-    from safetensors.numpy import load_file
+def check_adapter(path: str, text_config, max_lora_rank: int) -> tuple[dict[str, Any], dict[tuple[int, str], dict[str, str]]]:
+    """Check an adapter against the model from its config and the weight file's header only (no tensor data is
+    read: fast enough to run before a request is accepted). Returns (config, {(layer, module): {"A"/"B": name}}).
+    Raises ValueError naming the field or tensor and what would work."""
+    from safetensors import safe_open
 
     cfg = read_adapter_config(path, max_lora_rank)
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
         have = ", ".join(sorted(os.listdir(path)))
         raise ValueError(f"LoRA adapter {path!r}: no {WEIGHTS_FILE} (found: {have}); save it with safe_serialization=True")
-    tensors = load_file(weights_path)
-    rank, scaling = cfg["r"], scaling_of(cfg)
-    num_layers = text_config.num_hidden_layers
-    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for name, value in tensors.items():
+    with safe_open(weights_path, framework="numpy") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    rank, num_layers = cfg["r"], text_config.num_hidden_layers
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    for name in shapes:
         if "lora_magnitude_vector" in name:
             raise ValueError(f"LoRA adapter {path!r}: tensor {name} is DoRA's (use_dora is not supported)")
         if "lora_embedding" in name or "embed_tokens" in name or "lm_head" in name:
@@ -125,18 +127,33 @@ def load_adapter(path: str, text_config, max_lora_rank: int, dtype) -> LoRAAdapt
             raise ValueError(f"LoRA adapter {path!r}: tensor {name} targets {module}; served targets: {list(TARGET_MODULES)}")
         if layer >= num_layers:
             raise ValueError(f"LoRA adapter {path!r}: tensor {name} is for layer {layer}, the model has {num_layers}")
-        found.setdefault((layer, module), {})[ab] = np.asarray(value, np.float32)
+        found.setdefault((layer, module), {})[ab] = name
 
     inputs = group_inputs(text_config)
     for (layer, module), ab in found.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {path!r}: layer {layer} {module} has lora_{''.join(ab)} but not both A and B")
         n_in, n_out = inputs[PIECE_GROUP[module]][0], math.prod(piece_out_shape(text_config, module))
-        if ab["A"].shape != (rank, n_in) or ab["B"].shape != (n_out, rank):
+        a_shape, b_shape = shapes[ab["A"]], shapes[ab["B"]]
+        if a_shape != (rank, n_in) or b_shape != (n_out, rank):
             raise ValueError(
-                f"LoRA adapter {path!r}: layer {layer} {module}: lora_A {ab['A'].shape} / lora_B {ab['B'].shape}, "
+                f"LoRA adapter {path!r}: layer {layer} {module}: lora_A {a_shape} / lora_B {b_shape}, "
                 f"expected ({rank}, {n_in}) / ({n_out}, {rank}) for r={rank} on this model: is it this model's adapter?"
             )
+    return cfg, found
+
+
+def load_adapter(path: str, text_config, max_lora_rank: int, dtype) -> LoRAAdapter:
+    """Check, read and lay out one adapter for a slot (host arrays in ``dtype``). Thread-safe: the engine runs it
+    in a background thread so that requests without this adapter keep stepping meanwhile."""
+    from safetensors.numpy import load_file
+
+    cfg, names = check_adapter(path, text_config, max_lora_rank)
+    tensors = load_file(os.path.join(path, WEIGHTS_FILE))
+    rank, scaling = cfg["r"], scaling_of(cfg)
+    num_layers = text_config.num_hidden_layers
+    found = {key: {ab: np.asarray(tensors[name], np.float32) for ab, name in ab_names.items()}
+             for key, ab_names in names.items()}  # fmt: skip
 
     arrays = []
     for layer, group, kind, shape, _ in layout_leaves(text_config, 1, max_lora_rank, num_layers):

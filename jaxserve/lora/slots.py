@@ -3,16 +3,19 @@ adapters (an LRU of ``max_cpu_loras``).
 
 The device arrays (models/lora.py's layout, ``N = max_loras + 1`` slots, slot 0 zeros for "no adapter")
 are arguments of the jitted step, never constants: writing an adapter into a slot is one small jitted
-update (compiled once; the arrays are donated, so it writes in place) and no step recompiles. Reading an
-adapter from disk happens when a request naming it is added (``add``), not when a step is built, so
-requests that do not use it wait at most for the slot write (a host-to-device copy of the adapter) within
-one step. The scheduler never puts more than ``max_loras`` distinct adapters in one step, so ``prepare``
-always finds room by evicting adapters the step does not use.
+update (compiled once; the arrays are donated, so it writes in place) and no step recompiles; the step that
+first uses an adapter pays its host-to-device copy. The scheduler never puts more than ``max_loras``
+distinct adapters in one step, so ``prepare`` always finds room by evicting adapters the step does not use.
+
+Adapters never stall requests that do not use them: ``add`` (when a request naming the adapter is queued)
+checks it from its config and the weight file's header, then reads the tensors in a background thread; the
+scheduler schedules the adapter's requests only once ``is_ready`` (the others keep stepping meanwhile).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 from typing import Optional, Sequence
 
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import sharding
-from jaxserve.lora.peft_loader import LoRAAdapter, load_adapter
+from jaxserve.lora.peft_loader import LoRAAdapter, check_adapter, load_adapter
 from jaxserve.lora.request import LoRARequest
 from jaxserve.models.lora import layout_leaves
 
@@ -60,6 +63,9 @@ class LoRASlots:
         )
         self.requests: dict[int, LoRARequest] = {}  # lora_int_id -> the request that named it first
         self.host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()  # LRU, max_cpu_loras
+        self.reading: dict[int, concurrent.futures.Future] = {}  # lora_int_id -> its tensors being read
+        self.failed: dict[int, Exception] = {}  # adapters whose read failed: the engine aborts their requests
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-lora-read")
         self.resident: collections.OrderedDict[int, int] = collections.OrderedDict()  # lora_int_id -> slot, LRU
         self.free_slots = list(range(1, self.num_slots))
         self.num_slot_writes = 0
@@ -70,34 +76,73 @@ class LoRASlots:
 
     # ---- host side ----
 
-    def add(self, request: LoRARequest) -> LoRAAdapter:
-        """Make sure the adapter is read and checked on the host (raises ValueError naming what is wrong)."""
+    def add(self, request: LoRARequest) -> None:
+        """Check the adapter against the model now (config and weight-file header: raises ValueError naming what
+        is wrong) and start reading its tensors in the background, unless the host already has them."""
         known = self.requests.get(request.lora_int_id)
         if known is not None and (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
             raise ValueError(
                 f"lora_int_id={request.lora_int_id} is already {known.lora_name!r} ({known.lora_path}); give "
                 f"{request.lora_name!r} another id"
             )
-        adapter = self.host.get(request.lora_int_id)
-        if adapter is None:
-            adapter = load_adapter(request.lora_path, self.text_config, self.config.max_lora_rank, self.dtype)
-            adapter.name = request.lora_name
-            self.host[request.lora_int_id] = adapter
-            while len(self.host) > self.config.max_cpu_loras:
-                evicted, _ = self.host.popitem(last=False)
-                logger.info("LoRA adapter id %d left the host cache (max_cpu_loras=%d)", evicted, self.config.max_cpu_loras)
-        self.host.move_to_end(request.lora_int_id)
-        self.requests[request.lora_int_id] = request
-        return adapter
+        if known is None:
+            check_adapter(request.lora_path, self.text_config, self.config.max_lora_rank)
+            self.requests[request.lora_int_id] = request
+        self._start_read(request)
+
+    def is_ready(self, request: LoRARequest) -> bool:
+        """Whether the adapter's tensors are on the host, so a step may use it (the scheduler asks before it
+        schedules a request of this adapter; requests of other adapters carry on while it is read)."""
+        lora_id = request.lora_int_id
+        if lora_id in self.host or lora_id in self.resident:
+            return True
+        if lora_id in self.failed:
+            return False
+        future = self.reading.get(lora_id)
+        if future is None:  # left the host cache while its requests waited: read it again
+            self._start_read(request)
+            return False
+        if not future.done():
+            return False
+        del self.reading[lora_id]
+        try:
+            adapter = future.result()
+        except Exception as e:  # noqa: BLE001 - passed the header check, then failed to read: its requests fail
+            logger.error("LoRA adapter %r (%s) could not be read: %s", request.lora_name, request.lora_path, e)
+            self.failed[lora_id] = e
+            return False
+        self._keep(lora_id, adapter)
+        return True
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (unload): host copy and slot. Returns whether it was known."""
         known = self.requests.pop(lora_int_id, None) is not None
         self.host.pop(lora_int_id, None)
+        self.reading.pop(lora_int_id, None)
+        self.failed.pop(lora_int_id, None)
         slot = self.resident.pop(lora_int_id, None)
         if slot is not None:
             self.free_slots.append(slot)  # no token maps to it any more; the next load overwrites it
         return known
+
+    def _start_read(self, request: LoRARequest) -> None:
+        if request.lora_int_id in self.host:
+            self.host.move_to_end(request.lora_int_id)
+        elif request.lora_int_id not in self.reading:
+            self.reading[request.lora_int_id] = self._reader.submit(self._read, request)
+
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        adapter = load_adapter(request.lora_path, self.text_config, self.config.max_lora_rank, self.dtype)
+        adapter.name = request.lora_name
+        return adapter
+
+    def _keep(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Into the host cache, dropping the least recently used beyond max_cpu_loras (one still in a slot stays
+        usable there; if it leaves its slot too, it is read again when next asked for)."""
+        self.host[lora_id] = adapter
+        while len(self.host) > self.config.max_cpu_loras:
+            evicted, _ = self.host.popitem(last=False)
+            logger.info("LoRA adapter id %d left the host cache (max_cpu_loras=%d)", evicted, self.config.max_cpu_loras)
 
     # ---- device side ----
 
@@ -115,8 +160,12 @@ class LoRASlots:
 
     def _load(self, request: LoRARequest, keep: dict) -> None:
         adapter = self.host.get(request.lora_int_id)
-        if adapter is None:  # left the host cache since it was added: read it again
-            adapter = self.add(request)
+        if adapter is None:  # not read yet (the scheduler checks is_ready, so this is rare): wait for it here
+            self._start_read(request)
+            future = self.reading.pop(request.lora_int_id, None)
+            if future is not None:
+                self._keep(request.lora_int_id, future.result())
+            adapter = self.host[request.lora_int_id]
         if self.free_slots:
             slot = self.free_slots.pop(0)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -75,6 +76,31 @@ def test_each_adapter_matches_peft_and_mixed_batch_matches_alone(llm, adapters):
     assert mixed[5] == _gen(llm, [other], None)[0]
     slots = llm.llm_engine.runner.lora
     assert len(slots.resident) <= 2 and len(slots.host) <= 2
+
+
+def test_reading_an_adapter_does_not_stall_other_requests(llm, adapters, monkeypatch):
+    """The adapter's tensors are read in the background; base requests finish meanwhile, then it runs exactly."""
+    base, loras = adapters
+    engine = llm.llm_engine
+    slots = engine.runner.lora
+    gate = threading.Event()
+    read = slots._read
+    monkeypatch.setattr(slots, "_read", lambda request: (gate.wait(60), read(request))[1])
+    slow = LoRARequest("a8-again", 99, loras["a8"].lora_path)  # a new id: not on the host yet
+    prompt, other = _prompt(), _prompt(9, seed=7)
+    engine.add_request("slow", {"prompt_token_ids": prompt}, SP, lora_request=slow)
+    engine.add_request("fast", {"prompt_token_ids": other}, SP)
+    done = {}
+    for _ in range(200):
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        if "fast" in done:
+            break
+    assert "fast" in done and engine.scheduler.get_request("slow").num_computed_tokens == 0
+    gate.set()
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert done["slow"] == peft_greedy(base, loras["a8"].lora_path, prompt, MAX_TOKENS)
+    assert engine.remove_lora(99)
 
 
 def test_lora_needs_enable_lora():
