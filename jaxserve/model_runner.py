@@ -418,8 +418,9 @@ class ModelRunner:
             "mesh": repr(dict(self.mesh.shape)),
             "params": [(x.shape, str(x.dtype), repr(getattr(x.sharding, "spec", x.sharding))) for x in self.params],
             "tree": str(self._treedef),
-            "lora": repr(self.lora_config),  # the slot arrays' shapes, and the 6-row token fields
         }
+        if self.lora_config is not None:  # only then, so that stores written without LoRA stay valid
+            context["lora"] = repr(self.lora_config)  # the slot arrays' shapes follow from it; the token fields have 6 rows
         return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)
 
     def _sampler_variants(self, shapes: list[tuple[int, int]]) -> list[tuple[tuple, Any]]:
