@@ -136,14 +136,16 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        """Generate replies to one conversation or a list of them, through the model's chat template
+        (``lora_request`` as in ``generate``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: Conversation, chat_template=None, add_generation_prompt=True):
         tok = self.get_tokenizer()
