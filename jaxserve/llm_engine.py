@@ -146,7 +146,8 @@ class LLMEngine:
         lora_request: Optional[LoRARequest] = None,
     ) -> None:
         """Queue a request; raises ValueError for bad input without disturbing other requests.
-        ``lora_request``: run it with that PEFT adapter (needs enable_lora); it is read here, if not already."""
+        ``lora_request``: run it with that PEFT adapter (needs enable_lora); checked here (a bad adapter raises
+        ValueError), read in the background; the request waits for it, others do not."""
         params = params or SamplingParams()
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -177,7 +178,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ LoRA adapters
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read and check an adapter on the host (vLLM's add_lora); raises ValueError naming what is wrong."""
+        """Check an adapter (config and weight-file header; raises ValueError naming what is wrong) and start
+        reading its tensors in the background (vLLM's add_lora)."""
         if self.runner.lora is None:
             raise ValueError(
                 f"LoRA adapter {lora_request.lora_name!r} asked for, but this engine runs without LoRA: start it "
