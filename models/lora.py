@@ -1,9 +1,10 @@
 """Multi-LoRA on the device: adapter weights stacked in slots, applied to a mixed batch in one pass.
 
 Every projection a LoRA adapter may target (q/k/v/o/gate/up/down) gets, per layer, its adapters' weights
-stacked over ``N = max_loras + 1`` slots; slot 0 stays zeros and means "no adapter". Each token carries its
-slot index, so one step serves requests of different adapters (and none) together, as Punica / S-LoRA do,
-without merging any adapter into the base weights and without a pass per adapter.
+stacked over ``N = max_loras`` slots. Each token carries its slot index (1..N; 0 means "no adapter"), so one
+step serves requests of different adapters (and none) together, as Punica / S-LoRA do, without merging any
+adapter into the base weights and without a pass per adapter. Slot 0 needs no zero weights stored or
+multiplied: its tokens' mask row is all zeros.
 
 Projections are grouped by the base matmul they add to (``GROUPS``): q, k and v add into the fused
 ``qkv_proj`` output ``[T, K, G+2, Dh]``, gate and up into ``gate_up_proj`` ``[T, 2, F]``. A group's P pieces
@@ -17,7 +18,7 @@ that piece's output slice (q's columns for q_proj's rows, and so on). So the del
 fused output, and q/k/v (gate/up) need one expand, not one each; the zeros cost (P - 1) / P of B's bytes,
 which are small (rank x out). Masked slots and zero blocks contribute exact zeros, so each token gets exactly
 its own adapter's per-piece deltas. The work is dense over all N slots: it grows with max_loras, not with
-the adapters a step really uses; at rank 16 and N = 5 on the 8B shape that is a few per cent of the base
+the adapters a step really uses; at rank 16 and N = 4 on the 8B shape that is about 4% of the base
 FLOPs and bytes. Ranks below ``max_lora_rank`` are zero-padded (exact), and the adapter's scaling
 (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B on the host.
 
@@ -128,7 +129,7 @@ class LoRABatch:
     """What one layer's projections need: that layer's slot weights and the tokens' slot mask."""
 
     weights: dict[str, tuple[jax.Array, jax.Array]]  # {group: (A [in, N, P, r], B [N, P, r, *out])}
-    mask: jax.Array  # [T, N] float32: one-hot of each token's slot (slot 0: no adapter)
+    mask: jax.Array  # [T, N] float32: one-hot of each token's slot; all zeros for slot 0 (no adapter)
 
     def delta(self, group: str, x: jax.Array, precision=None) -> jax.Array:
         """x [T, in] -> the group's delta [T, *out] in x's dtype, to add onto the base projection's fused output
@@ -146,8 +147,8 @@ class LoRABatch:
 
 
 def slot_mask(slot_ids: jax.Array, num_slots: int) -> jax.Array:
-    """[T] int32 slot index per token -> [T, N] float32 one-hot."""
-    return (slot_ids[:, None] == jnp.arange(num_slots, dtype=slot_ids.dtype)[None, :]).astype(jnp.float32)
+    """[T] int32 slot per token (1..N, 0: none) -> [T, N] float32 one-hot of slot - 1 (slot 0: a zero row)."""
+    return (slot_ids[:, None] - 1 == jnp.arange(num_slots, dtype=slot_ids.dtype)[None, :]).astype(jnp.float32)
 
 
 def for_layers(flat: list[jax.Array] | None, slot_ids: jax.Array | None, num_layers: int) -> list[LoRABatch | None]:

@@ -1,7 +1,7 @@
 """Which adapters sit in the device's slots (an LRU of ``max_loras``), backed by a host cache of read
 adapters (an LRU of ``max_cpu_loras``).
 
-The device arrays (models/lora.py's layout, ``N = max_loras + 1`` slots, slot 0 zeros for "no adapter")
+The device arrays (models/lora.py's layout: ``N = max_loras`` slots, numbered 1..N; 0 means "no adapter")
 are arguments of the jitted step, never constants: writing an adapter into a slot is one small jitted
 update (compiled once; the arrays are donated, so it writes in place) and no step recompiles; the step that
 first uses an adapter pays its host-to-device copy. The scheduler never puts more than ``max_loras``
@@ -42,7 +42,7 @@ class LoRASlots:
     def __init__(self, lora_config, text_config, mesh: jax.sharding.Mesh) -> None:
         self.config = lora_config
         self.text_config = text_config
-        self.num_slots = lora_config.max_loras + 1
+        self.num_slots = lora_config.max_loras  # array slots; a token's slot k (1..N) is index k - 1
         self.dtype = jnp.dtype(lora_config.lora_dtype)
         leaves = layout_leaves(text_config, self.num_slots, lora_config.max_lora_rank, text_config.num_hidden_layers)
         self.is_a = tuple(kind == "A" for _, _, kind, _, _ in leaves)
@@ -67,7 +67,7 @@ class LoRASlots:
         self.failed: dict[int, Exception] = {}  # adapters whose read failed: the engine aborts their requests
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-lora-read")
         self.resident: collections.OrderedDict[int, int] = collections.OrderedDict()  # lora_int_id -> slot, LRU
-        self.free_slots = list(range(1, self.num_slots))
+        self.free_slots = list(range(1, self.num_slots + 1))
         self.num_slot_writes = 0
 
     @property
@@ -149,8 +149,8 @@ class LoRASlots:
     def prepare(self, lora_requests: Sequence[Optional[LoRARequest]]) -> list[int]:
         """The slot of each sequence's adapter (0 for none), loading missing adapters into slots first."""
         needed = {r.lora_int_id: r for r in lora_requests if r is not None}
-        if len(needed) > self.num_slots - 1:
-            raise RuntimeError(f"{len(needed)} adapters in one step, max_loras={self.num_slots - 1}: a scheduler bug")
+        if len(needed) > self.num_slots:
+            raise RuntimeError(f"{len(needed)} adapters in one step, max_loras={self.num_slots}: a scheduler bug")
         for lora_id, request in needed.items():
             if lora_id in self.resident:
                 self.resident.move_to_end(lora_id)
@@ -171,6 +171,6 @@ class LoRASlots:
         else:
             victim = next(i for i in self.resident if i not in keep)  # LRU first
             slot = self.resident.pop(victim)
-        self.arrays = self._write(self.arrays, np.int32(slot), adapter.arrays)
+        self.arrays = self._write(self.arrays, np.int32(slot - 1), adapter.arrays)
         self.resident[request.lora_int_id] = slot
         self.num_slot_writes += 1
