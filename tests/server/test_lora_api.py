@@ -90,3 +90,11 @@ def test_runtime_updating_off_is_404_naming_the_switch(setup):
     finally:
         state.allow_runtime_lora_updating = True
     assert r.status_code == 404 and "JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING" in r.json()["error"]["message"]
+
+
+def test_lora_modules_flag_parses_name_equals_path():
+    from jaxserve.server.routes_lora import parse_lora_modules
+
+    assert parse_lora_modules(["sql=/a/b", "chat=/c=d"]) == [("sql", "/a/b"), ("chat", "/c=d")]
+    with pytest.raises(ValueError, match="--lora-modules"):
+        parse_lora_modules(["just-a-path"])
