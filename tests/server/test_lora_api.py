@@ -56,6 +56,8 @@ def test_model_field_selects_the_adapter(setup, client):
     expected = tok.decode(peft_greedy(base, sql, PROMPT_IDS, 6))
     assert _complete(client, "sql") == expected
     assert _complete(client, "tiny") != expected
+    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "Hello"}], max_tokens=3)
+    assert chat.model == "sql" and chat.usage.completion_tokens <= 3
 
 
 def test_unknown_model_is_404_with_openai_error(client):
