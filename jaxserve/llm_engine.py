@@ -258,6 +258,10 @@ class LLMEngine:
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
+        if sched.is_empty and previous is None and self.runner.lora is not None:
+            # Nothing ran: the requests left wait for an adapter's read. Wait for it rather than spin (a spinning
+            # loop would also take the GIL from the reading thread).
+            self.runner.lora.wait_for_reads(timeout=0.01)
         self.loop_time["steps"] += 1
         self.loop_time["total_s"] += time.perf_counter() - start
         return outputs

@@ -114,6 +114,12 @@ class LoRASlots:
         self._keep(lora_id, adapter)
         return True
 
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until some background read finishes (or ``timeout`` seconds); returns at once if none runs."""
+        running = [f for f in self.reading.values() if not f.done()]
+        if running:
+            concurrent.futures.wait(running, timeout, concurrent.futures.FIRST_COMPLETED)
+
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (unload): host copy and slot. Returns whether it was known."""
         known = self.requests.pop(lora_int_id, None) is not None
