@@ -1,6 +1,7 @@
 """jaxserve: an LLM serving engine on JAX/XLA (paged KV cache, continuous batching, Pallas kernels)."""
 
 from jaxserve.config import EngineArgs
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -20,4 +21,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest"]

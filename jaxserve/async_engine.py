@@ -176,6 +176,7 @@ class AsyncLLMEngine:
         prompt,
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
+        lora_request=None,  # jaxserve.lora.LoRARequest
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
 
@@ -194,7 +195,7 @@ class AsyncLLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._num_pending_adds += 1
         try:
-            self._commands.put(("add", request_id, prompt, params, arrival, stream, accepted))
+            self._commands.put(("add", request_id, prompt, params, arrival, stream, accepted, lora_request))
             if self._dead is not None:  # died after our health check: nobody will answer the future
                 raise EngineDeadError(f"engine is dead: {self._dead!r}")
             await accepted
@@ -216,6 +217,14 @@ class AsyncLLMEngine:
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    async def call_engine(self, fn):
+        """Run ``fn(engine)`` on the engine thread between steps (e.g. loading a LoRA adapter) and return its
+        result; its exception is raised here."""
+        self.check_health()
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", fn, done))
+        return await done
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Stop requests and free their KV blocks at the next step boundary. Safe from any thread."""
@@ -258,15 +267,27 @@ class AsyncLLMEngine:
                 self._do_add(*cmd[1:])
             elif kind == "abort":
                 self._dispatch(self.engine.abort_request(cmd[1]))
+            elif kind == "call":
+                self._do_call(*cmd[1:])
         self._stats = self.engine.get_stats()
         return True
 
-    def _do_add(self, request_id, prompt, params, arrival, stream: RequestStream, accepted: asyncio.Future) -> None:
+    def _do_call(self, fn, done: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as e:  # noqa: BLE001 - the caller gets it; the engine carries on
+            result, error = None, e
+        _call_soon(done.get_loop(), _settle, done, result, error)
+
+    def _do_add(
+        self, request_id, prompt, params, arrival, stream: RequestStream, accepted: asyncio.Future, lora_request=None
+    ) -> None:
         if request_id in self._streams:
             error: Optional[BaseException] = ValueError(f"request_id {request_id!r} is already in use")
         else:
             try:
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                lora_kw = {"lora_request": lora_request} if lora_request is not None else {}
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival, **lora_kw)
                 error = None
             except ValueError as e:
                 error = e
@@ -363,6 +384,14 @@ def _resolve(future: asyncio.Future, error: Optional[BaseException]) -> None:
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, out in batch:
         stream._put(out)
+
+
+def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -23,6 +23,7 @@ class StepInputs:
     seq_lens: np.ndarray  # [S] int32
     block_tables: np.ndarray  # [S, B] int32
     logits_indices: np.ndarray  # [S] int32
+    lora_slots: np.ndarray | None = None  # [T] int32: each token's LoRA slot (0: none); only with enable_lora
 
 
 def build_step_inputs(
@@ -33,6 +34,7 @@ def build_step_inputs(
     block_width: int,
     block_size: int,
     num_blocks: int,
+    lora_slots: list[int] | None = None,  # [s_real]: each sequence's LoRA slot, with enable_lora
 ) -> StepInputs:
     """Flatten the ragged batch and pad it to (T, S, B). Padding as AttentionMetadata's docstring says."""
     s_real = len(seqs)
@@ -76,7 +78,13 @@ def build_step_inputs(
     logits_indices = np.zeros(s_pad, np.int32)
     logits_indices[:s_real] = query_start_loc[1 : s_real + 1] - 1
 
+    token_lora_slots = None
+    if lora_slots is not None:
+        token_lora_slots = np.zeros(t_pad, np.int32)  # padding tokens: slot 0, no adapter
+        token_lora_slots[:t_real] = np.repeat(np.asarray(lora_slots, np.int32), q_lens)
+
     return StepInputs(
+        lora_slots=token_lora_slots,
         input_ids=input_ids,
         prev_index=prev_index,
         positions=positions,

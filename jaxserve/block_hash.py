@@ -30,13 +30,16 @@ def hash_block_tokens(parent_hash: Optional[int], token_ids: Sequence[int]) -> i
 def extend_block_hashes(request: Request, block_size: int, num_blocks: int) -> list[int]:
     """Make ``request.block_hashes`` cover its first ``num_blocks`` full blocks, hashing only new ones.
 
-    Hashes depend only on token content, so they stay valid across preemption and are computed once per
+    Hashes depend only on token content (and the request's LoRA adapter), so they stay valid across preemption and are computed once per
     block over the request's life. Returns the request's own list (read only).
     """
     hashes = request.block_hashes
     tokens = request.all_token_ids
     num_blocks = min(num_blocks, len(tokens) // block_size)
-    parent = hashes[-1] if hashes else None
+    # A LoRA request's chain starts from its adapter's salt: its KV differs from the base model's and from
+    # any other adapter's for the same tokens, so no block is shared across adapters.
+    lora = request.lora_request
+    parent = hashes[-1] if hashes else (lora.cache_salt if lora is not None else None)
     for i in range(len(hashes), num_blocks):
         parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
         hashes.append(parent)

@@ -38,6 +38,11 @@ _HELP = {
     "data_parallel_size": "engine replicas, each on its own tensor_parallel_size devices, behind a least-loaded router",
     "runner": "generate (an LM), pooling (embeddings: LLM.embed, /v1/embeddings) or auto (pooling for a "
     "sentence-transformers, BERT-family or bare *Model decoder checkpoint, else generate)",
+    "enable_lora": "serve LoRA adapters (Hugging Face PEFT format) per request; with --lora-modules on the server",
+    "max_loras": "LoRA adapters resident on the device at once (the step's LoRA work grows with it)",
+    "max_lora_rank": "largest adapter rank served (smaller ranks are zero-padded to it)",
+    "max_cpu_loras": "LoRA adapters kept read in host memory (default: --max-loras)",
+    "lora_dtype": "dtype of the LoRA weights: auto (the model's), float32, bfloat16, float16",
     "task": "vLLM's older spelling of --runner: embed (pooling) or generate",
 }
 
@@ -123,11 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s), spec-decode (speculative decoding vs none)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s), spec-decode (speculative decoding vs none), lora (multi-LoRA vs none)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.bench import ablation, embed, latency, load, spec_decode, suite, sweep, throughput
+    from jaxserve.bench import ablation, embed, latency, load, lora, spec_decode, suite, sweep, throughput
 
-    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed, spec_decode):
+    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed, spec_decode, lora):
         bench_module.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve

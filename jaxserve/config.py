@@ -59,7 +59,12 @@ class EngineArgs:
     max_logprobs: int = 20
     compilation_cache_dir: Optional[str] = None  # JAX's persistent compilation cache; "" turns it off
     trust_remote_code: bool = False
+    # Multi-LoRA serving (jaxserve.lora): PEFT adapters per request, several in one step.
     enable_lora: bool = False
+    max_loras: int = 1  # adapters resident on the device at once (device slots; the step's compute grows with it)
+    max_lora_rank: int = 16  # adapters of lower rank are zero-padded to it
+    max_cpu_loras: Optional[int] = None  # adapters kept read on the host (default: max_loras)
+    lora_dtype: str = "auto"  # auto: the model's dtype
     disable_log_stats: bool = False
     # Which runner serves the model: generate (an LM), pooling (embeddings), auto (from the checkpoint: a
     # sentence-transformers directory, a BERT-family encoder or a bare *Model decoder is pooling).
@@ -118,7 +123,18 @@ class EngineArgs:
             if not isinstance(value, int) or value < 1:
                 raise bad(name, "must be a positive integer (devices per replica / number of replicas)")
         if self.enable_lora:
-            raise bad("enable_lora", "LoRA serving is not implemented yet; leave it off")
+            for name in ("max_loras", "max_lora_rank"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value < 1:
+                    raise bad(name, "must be a positive integer")
+            if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+                raise bad("max_cpu_loras", f"must be an integer >= max_loras={self.max_loras} (or unset)")
+            if self.lora_dtype not in DTYPES:
+                raise bad("lora_dtype", f"choose one of {DTYPES}")
+            if self.speculative_config is not None:
+                raise bad("enable_lora", "LoRA with speculative decoding is not supported; drop one of them")
+            if self.enforce_eager:
+                raise bad("enable_lora", "LoRA runs in the jitted step only; drop enforce_eager")
         if self.trust_remote_code:
             raise bad("trust_remote_code", "jaxserve runs only its own model code; leave it False")
         if self.runner not in RUNNERS:
@@ -143,6 +159,16 @@ class ModelConfig:
     max_model_len: int
     seed: int
     fp32_matmul_precision: str = "highest"  # "highest" | "tf32"; matters only when dtype is float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (present only with enable_lora)."""
+
+    max_loras: int  # device slots besides slot 0 (no adapter)
+    max_lora_rank: int
+    max_cpu_loras: int  # resolved: >= max_loras
+    lora_dtype: str  # resolved: "float32" | "bfloat16" | "float16"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Union
 
 from jaxserve.config import EngineArgs
 from jaxserve.llm_engine import EngineStats, LLMEngine, PromptType
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.replica_client import EngineCoreClient, EngineCoreError, replica_environments, visible_devices
 from jaxserve.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class DPEngine:
         self._outputs: list[RequestOutput] = []  # arrived, not yet returned by step()
         self._replies: dict[int, Any] = {}  # seq -> an abort's or rpc's answer
         self._seq = itertools.count()
+        self._loras: set[LoRARequest] = set()  # adapters every replica has read and checked
         self._close = weakref.finalize(self, _close_all, list(replicas))
 
     @classmethod
@@ -121,20 +123,37 @@ class DPEngine:
         prompt: PromptType,
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         if request_id in self._placements:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids, params)
+        if lora_request is not None and lora_request not in self._loras:
+            self.add_lora(lora_request)  # checked by every replica here, so a replica's add cannot fail on it
         room = self.model_config.max_model_len - len(prompt_ids)
         max_new = room if params.max_tokens is None else min(params.max_tokens, room)
         index = self._pick_replica()
         arrival = time.monotonic() if arrival_time is None else arrival_time  # monotonic: one clock for all processes
         tokenized = {"prompt": text, "prompt_token_ids": prompt_ids}  # the replica need not tokenize again
-        self.replicas[index].send(("add", request_id, tokenized, params, arrival))
+        self.replicas[index].send(("add", request_id, tokenized, params, arrival, lora_request))
         self.replicas[index].adds_sent += 1
         self._placements[request_id] = _Placement(index, len(prompt_ids) + max_new * params.n, text, prompt_ids)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter in every replica (each keeps its own slots and host cache)."""
+        self.collective_rpc(_rpc_add_lora, lora_request)
+        self._loras.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        known = any(self.collective_rpc(_rpc_remove_lora, lora_int_id))
+        self._loras = {r for r in self._loras if r.lora_int_id != lora_int_id}
+        return known
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self._loras}
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> list[RequestOutput]:
         if isinstance(request_ids, str):
@@ -230,6 +249,14 @@ class DPEngine:
         if placement is not None:
             out.prompt, out.prompt_token_ids = placement.prompt, placement.prompt_token_ids
         return out
+
+
+def _rpc_add_lora(engine, lora_request: LoRARequest) -> bool:
+    return engine.add_lora(lora_request)
+
+
+def _rpc_remove_lora(engine, lora_int_id: int) -> bool:
+    return engine.remove_lora(lora_int_id)
 
 
 def _wait_ready(replicas: list[EngineCoreClient], release_after_first: bool) -> None:

@@ -13,7 +13,7 @@ router -> core                                  core -> router
 ("init", dict)           first message          ("ready", dict)  configs, tokenizer (replica 0), info, stats
 ("warmup",)              replica 0 is ready:    (replicas > 0 with the compilation cache on wait for it
                          compile now            after loading, so they read replica 0's executables)
-("add", id, prompt, params, arrival)            ("out", outputs, stats, adds) after every step
+("add", id, prompt, params, arrival, lora)      ("out", outputs, stats, adds) after every step
 ("abort", seq, ids)                             ("aborted", seq, outputs, stats, adds)
 ("rpc", seq, fn, args)   fn(engine, *args)      ("rpc_done", seq, result or exception)
 ("stop",)                                       ("error", exception or None, traceback text), then exit

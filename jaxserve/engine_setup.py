@@ -8,7 +8,9 @@ import os
 import time
 from typing import Any, Callable, Optional
 
-from jaxserve.config import CacheConfig, EngineArgs, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
+from jaxserve.config import (
+    CacheConfig, EngineArgs, LoRAConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig,
+)  # fmt: skip
 
 logger = logging.getLogger("jaxserve")
 
@@ -135,7 +137,10 @@ def build_engine_components(
     )
     precompile = args.precompile if args.precompile != "auto" else ("common" if platform == "cpu" else "all")
     runner_config = RunnerConfig(args.enforce_eager, backend, cache_dir, platform, precompile)
-    runner = ModelRunner(model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh)
+    lora_config = _lora_config(args, dtype)
+    runner = ModelRunner(
+        model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh, lora_config=lora_config
+    )
     del model
     scheduler = Scheduler(
         max_num_seqs=max_num_seqs,
@@ -146,6 +151,7 @@ def build_engine_components(
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_loras=lora_config.max_loras if lora_config is not None else 0,
     )
     if before_warmup is not None:
         before_warmup()
@@ -164,6 +170,18 @@ def build_engine_components(
     return EngineComponents(
         args, model_config, cache_config, scheduler_config, runner_config, text_config, tokenizer,
         tuple(sorted(eos)), runner, scheduler, ParallelConfig(tp, args.data_parallel_size), mesh, speculator,
+    )
+
+
+def _lora_config(args: EngineArgs, dtype: str) -> Optional[LoRAConfig]:
+    """LoRAConfig from the lora flags (vLLM's defaults: max_cpu_loras = max_loras), or None without enable_lora."""
+    if not args.enable_lora:
+        return None
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras or args.max_loras,
+        lora_dtype=dtype if args.lora_dtype == "auto" else args.lora_dtype,
     )
 
 

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineArgs
 from jaxserve.llm_engine import LLMEngine, PromptType
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import EmbeddingRequestOutput, PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -38,8 +39,12 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
         use_tqdm: bool = True,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order.
+
+        ``lora_request``: one LoRARequest for every prompt, or a list with one (or None) per prompt; needs
+        enable_lora=True.
 
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is
         one SamplingParams for all, or a list with one per prompt. A bad prompt raises ValueError before any
@@ -74,9 +79,20 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"lora_request has {len(loras)} entries but there are {len(prompts)} prompts; "
+                    "pass one LoRARequest or one (or None) per prompt"
+                )
+        for lora in {id(r): r for r in loras if r is not None}.values():
+            engine.add_lora(lora)  # a bad adapter fails before anything is queued
         ids = [str(next(self._ids)) for _ in prompts]
-        for rid, p, sp in zip(ids, tokenized, params):
-            engine.add_request(rid, p, sp)
+        for rid, p, sp, lora in zip(ids, tokenized, params, loras):
+            engine.add_request(rid, p, sp, **({"lora_request": lora} if lora is not None else {}))
         return self._run(ids, use_tqdm)
 
     def embed(
@@ -120,14 +136,16 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        """Generate replies to one conversation or a list of them, through the model's chat template
+        (``lora_request`` as in ``generate``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: Conversation, chat_template=None, add_generation_prompt=True):
         tok = self.get_tokenizer()

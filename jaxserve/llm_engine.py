@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from jaxserve.engine_setup import EngineComponents, build_engine_components
 from jaxserve.config import EngineArgs
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.lora.request import LoRARequest
 from jaxserve.output_processor import OutputProcessor, RequestGroup, SampleState
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -69,6 +70,8 @@ class LLMEngine:
         self._rng = random.Random(self.model_config.seed)
         self.async_scheduling = self.args.async_scheduling
         self.speculator = c.speculator  # None unless speculative_config is set (jaxserve.spec_decode)
+        if self.runner.lora is not None:  # an adapter's requests wait until its weights are read, the rest run
+            self.scheduler.lora_ready = self.runner.lora.is_ready
         self._in_flight: Optional[tuple[SchedulerOutput, StepHandle]] = None  # dispatched, not yet read
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
@@ -140,13 +143,18 @@ class LLMEngine:
         prompt: PromptType,
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
-        """Queue a request; raises ValueError for bad input without disturbing other requests."""
+        """Queue a request; raises ValueError for bad input without disturbing other requests.
+        ``lora_request``: run it with that PEFT adapter (needs enable_lora); checked here (a bad adapter raises
+        ValueError), read in the background; the request waits for it, others do not."""
         params = params or SamplingParams()
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         room = self.model_config.max_model_len - len(prompt_ids)
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
@@ -155,7 +163,9 @@ class LLMEngine:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = self._seed_for(params.seed, i)
-            req = Request(child_id, prompt_ids, params, self.eos_token_ids, seed=seed, arrival_time=arrival)
+            req = Request(
+                child_id, prompt_ids, params, self.eos_token_ids, seed=seed, arrival_time=arrival, lora_request=lora_request
+            )
             detok = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -164,6 +174,42 @@ class LLMEngine:
         self.output_processor.add(group)
         for s in samples:
             self.scheduler.add_request(s.request)
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter (config and weight-file header; raises ValueError naming what is wrong) and start
+        reading its tensors in the background (vLLM's add_lora)."""
+        if self.runner.lora is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} asked for, but this engine runs without LoRA: start it "
+                "with enable_lora=True (--enable-lora)"
+            )
+        self.runner.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its host copy and device slot). Requests still using it must have finished."""
+        if self.runner.lora is None:
+            return False
+        if any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter id {lora_int_id} is in use by unfinished requests; unload it after they end")
+        return self.runner.lora.remove(lora_int_id)
+
+    def _abort_failed_loras(self) -> list[RequestOutput]:
+        """Abort the requests of adapters whose weights failed to read in the background (logged there)."""
+        lora = self.runner.lora
+        if lora is None or not lora.failed:
+            return []
+        failed = set(lora.failed)
+        groups = {g.request_id for g in self.output_processor.groups.values()
+                  if any(s.request.lora_int_id in failed for s in g.samples)}  # fmt: skip
+        for lora_id in failed:
+            lora.remove(lora_id)
+        return self.abort_request(sorted(groups))
+
+    def list_loras(self) -> set[int]:
+        return set(self.runner.lora.requests) if self.runner.lora is not None else set()
 
     def _seed_for(self, seed: Optional[int], index: int) -> int:
         """Per-sample seed: the user's seed (mixed with the sample index for n > 1) or a fresh one."""
@@ -197,7 +243,7 @@ class LLMEngine:
             self.loop_time["steps"] += 1
             self.loop_time["total_s"] += time.perf_counter() - start
             return outputs
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._abort_failed_loras()
         if self._in_flight is not None and self.scheduler.has_pending_penalty_rows():
             # Penalties read the whole history on the host: let the in-flight token arrive first.
             outputs += self._finish(*self._in_flight)
@@ -212,6 +258,10 @@ class LLMEngine:
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
+        if sched.is_empty and previous is None and self.runner.lora is not None:
+            # Nothing ran: the requests left wait for an adapter's read. Wait for it rather than spin (a spinning
+            # loop would also take the GIL from the reading thread).
+            self.runner.lora.wait_for_reads(timeout=0.01)
         self.loop_time["steps"] += 1
         self.loop_time["total_s"] += time.perf_counter() - start
         return outputs
@@ -290,4 +340,5 @@ class LLMEngine:
             "tensor_parallel_size": self.runner.mesh.shape["model"],
             "data_parallel_size": 1,
             "speculative_config": None if self.speculator is None else dataclasses.asdict(self.speculator.config),
+            "lora": None if self.runner.lora_config is None else dataclasses.asdict(self.runner.lora_config),
         }

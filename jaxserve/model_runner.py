@@ -39,6 +39,7 @@ from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
+from jaxserve.models.lora import for_layers as lora_for_layers
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
 from jaxserve.pallas_kernels.fp8 import kv_cache_dtype_for
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
@@ -49,7 +50,9 @@ from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger("jaxserve")
 
 
-def _forward(graphdef, treedef, num_rows_max, decode_only, params, kv_caches, tok_fields, seq_fields, prev_tokens):
+def _forward(
+    graphdef, treedef, num_rows_max, decode_only, lora_spec, params, kv_caches, tok_fields, seq_fields, prev_tokens
+):
     """Pure step: (params, cache, packed batch) -> (logits of each sequence's last token [S, V], their argmax
     padded to [S_max], new cache).
 
@@ -58,20 +61,30 @@ def _forward(graphdef, treedef, num_rows_max, decode_only, params, kv_caches, to
     ``prev_tokens[prev_index]`` ([S_max] i32, still on the device). The argmax is the whole sampler of a plain
     greedy batch, which then needs no second program (``_run``). ``decode_only`` (static) marks the variant
     compiled for steps whose every sequence has one new token (see AttentionMetadata.decode_only).
+    ``lora_spec`` (static): None, or (number of model parameters, layers) when ``params`` ends with the LoRA
+    slot arrays (jaxserve.lora.slots) and ``tok_fields`` has the tokens' slot row.
     """
     input_ids, prev_index, md = unpack_inputs(tok_fields, seq_fields, decode_only)
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
+    lora = None
+    if lora_spec is not None:
+        num_model_params, num_layers = lora_spec
+        lora = lora_for_layers(params[num_model_params:], tok_fields[5], num_layers)
+        params = params[:num_model_params]
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, kv_caches = model(input_ids, kv_caches, md)  # [T, E]
+    hidden, kv_caches = model(input_ids, kv_caches, md, **({"lora": lora} if lora is not None else {}))  # [T, E]
     logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
     greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
     return logits, greedy, kv_caches
 
 
 def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-    """StepInputs -> (tok_fields [5, T], seq_fields [S, 3 + B]), int32. query_start_loc[0] is always 0 and is
-    left out, so that the per-sequence fields share one row each."""
-    tok = np.stack([x.input_ids, x.prev_index, x.positions, x.slot_mapping, x.token_seq_ids])  # [5, T]
+    """StepInputs -> (tok_fields [5, T] (or [6, T] with LoRA slots), seq_fields [S, 3 + B]), int32.
+    query_start_loc[0] is always 0 and is left out, so that the per-sequence fields share one row each."""
+    rows = [x.input_ids, x.prev_index, x.positions, x.slot_mapping, x.token_seq_ids]
+    if x.lora_slots is not None:
+        rows.append(x.lora_slots)
+    tok = np.stack(rows)  # [5 or 6, T]
     seq = np.concatenate(
         [x.query_start_loc[1:, None], x.seq_lens[:, None], x.logits_indices[:, None], x.block_tables], axis=1
     )  # [S, 3 + B]
@@ -122,6 +135,7 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         runner_config: RunnerConfig,
         mesh: jax.sharding.Mesh | None = None,
+        lora_config=None,  # jaxserve.config.LoRAConfig with enable_lora
     ) -> None:
         self.text_config = text_config
         self.model_config = model_config
@@ -141,6 +155,13 @@ class ModelRunner:
         del state
         self.params, self._treedef = jax.tree.flatten(self.state)  # flat list: cheap to pass per call
         self._eager_model = nnx.merge(self.graphdef, self.state) if runner_config.enforce_eager else None
+        # LoRA adapter slots (jaxserve.lora.slots), allocated before the KV cache is sized from the memory left.
+        self.lora_config = lora_config
+        self.lora = None
+        if lora_config is not None:
+            from jaxserve.lora.slots import LoRASlots
+
+            self.lora = LoRASlots(lora_config, text_config, self.mesh)
         self.dtype = jnp.dtype(model_config.dtype)
         # The cache's dtype: the model's (auto) or an fp8 one, which halves the bytes of a block, so the same
         # memory budget holds about twice the blocks.
@@ -172,6 +193,12 @@ class ModelRunner:
             sharding=cache_sharding,
         )
         param_shardings = [x.sharding for x in self.params]
+        # LoRA: the slot arrays ride at the end of the step's parameter list (arguments, not constants: loading an
+        # adapter into a slot recompiles nothing). Without LoRA the step program is exactly the plain one.
+        lora_spec = None
+        if self.lora is not None:
+            param_shardings = param_shardings + self.lora.shardings
+            lora_spec = (len(self.params), cfg.num_hidden_layers)
         cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
         batch_sharding = sharding.replicated(self.mesh)  # input ids and the whole AttentionMetadata
         logits_sharding = self._logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
@@ -185,7 +212,7 @@ class ModelRunner:
         self.decode_variants = runner_config.attention_backend == "pallas" and runner_config.platform in ("gpu", "cpu")
         self._steps = {
             decode_only: jax.jit(
-                functools.partial(_forward, self.graphdef, self._treedef, self.max_rows, decode_only),
+                functools.partial(_forward, self.graphdef, self._treedef, self.max_rows, decode_only, lora_spec),
                 donate_argnums=1,
                 in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 3,
                 out_shardings=(logits_sharding, batch_sharding, cache_shardings),
@@ -239,6 +266,10 @@ class ModelRunner:
             out += [(t, b, True) for t, b in shapes if 1 < t <= most]
         return out
 
+    def step_params(self) -> list[jax.Array]:
+        """The step's flat parameter list: the model's, then the LoRA slots' (whose arrays change on loads)."""
+        return self.params if self.lora is None else self.params + self.lora.arrays
+
     @staticmethod
     def _metadata(x: StepInputs) -> AttentionMetadata:
         return AttentionMetadata(
@@ -272,6 +303,7 @@ class ModelRunner:
             block_width=b,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
+            lora_slots=self.lora.prepare([seq.lora_request for seq in sched.seqs]) if self.lora is not None else None,
         )
         sampling_md = SamplingMetadata.from_seqs(sched.seqs, s, self._history_len(sched))
         out = self._run(x, sampling_md, decode_only)
@@ -300,7 +332,7 @@ class ModelRunner:
             return _sample_padded(logits, sampling_md, self.max_rows)
         key = (x.input_ids.shape[0], x.block_tables.shape[1], decode_only)
         step = self._programs.get(key, self._steps[decode_only])
-        logits, greedy, self.kv_caches = step(self.params, self.kv_caches, *pack_inputs(x), self._last_tokens)
+        logits, greedy, self.kv_caches = step(self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens)
         if sampling_md.plain_greedy:
             return SamplerOutput(token_ids=greedy)  # the step's own argmax: no sampler program to launch
         return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md)
@@ -387,6 +419,8 @@ class ModelRunner:
             "params": [(x.shape, str(x.dtype), repr(getattr(x.sharding, "spec", x.sharding))) for x in self.params],
             "tree": str(self._treedef),
         }
+        if self.lora_config is not None:  # only then, so that stores written without LoRA stay valid
+            context["lora"] = repr(self.lora_config)  # the slot arrays' shapes follow from it; the token fields have 6 rows
         return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)
 
     def _sampler_variants(self, shapes: list[tuple[int, int]]) -> list[tuple[tuple, Any]]:
@@ -408,7 +442,9 @@ class ModelRunner:
         """The step's arguments for a padding-only batch of shape (t tokens, b blocks per sequence)."""
         s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
         x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
-        return self.params, self.kv_caches, *pack_inputs(x), self._last_tokens
+        if self.lora is not None:
+            x.lora_slots = np.zeros(t, np.int32)
+        return self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens
 
 
 def _sampler_key(md: SamplingMetadata) -> tuple:

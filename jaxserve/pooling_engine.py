@@ -128,6 +128,9 @@ class PoolingEngine:
         from jaxserve.pooling_runner import PoolingRunner
 
         args.validate()
+        if args.enable_lora:
+            raise ValueError("enable_lora=True: LoRA adapters are served for generation only, not by the embedding "
+                             "(pooling) runner; leave it off")
         if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
             raise ValueError(
                 "tensor_parallel_size and data_parallel_size must be 1 with runner='pooling' (embedding models are "

@@ -52,8 +52,10 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
         arrival_time: Optional[float] = None,
+        lora_request=None,  # jaxserve.lora.LoRARequest, or None for the base model
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
@@ -75,6 +77,11 @@ class Request:
         # Speculative decoding: proposed next tokens for the next step to verify (set by the proposer after
         # each step, used up when scheduled).
         self.spec_token_ids: list[int] = []
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

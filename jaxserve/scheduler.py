@@ -26,7 +26,7 @@ thread, at most one step ahead of the results, and aborts must be delivered ther
 from __future__ import annotations
 
 import collections
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 from jaxserve.block_manager import KVCacheManager
 from jaxserve.request import Request, RequestStatus
@@ -47,6 +47,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
+        max_loras: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError(
@@ -73,6 +74,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()  # FIFO; preempted go in front
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0  # total, for metrics
+        # With LoRA: at most this many distinct adapters in one step (the device has that many slots), and only
+        # adapters whose weights have been read (``lora_ready(lora_request)``, set by the engine; None: all are).
+        self.max_loras = max_loras
+        self.lora_ready: Optional[Callable] = None
 
     # ---- queries ----
 
@@ -160,12 +165,14 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         preempted: list[str] = []
 
+        loras: set[int] = set()  # adapters of this step's requests
+
         # Running requests first, in admission order; a victim is always taken from the unscheduled end.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if num_new <= 0 or self._reaches_limit(request):
+            if num_new <= 0 or self._reaches_limit(request) or not self._lora_fits(request, loras):
                 i += 1  # its pending token ends it (or nothing to do until results are back)
                 continue
             spec = self._spec_tokens(request, num_new, budget)
@@ -180,12 +187,18 @@ class Scheduler:
             else:
                 seqs.append(self._scheduled_seq(request, num_new, row=len(seqs), spec=spec))
                 budget -= num_new + len(spec)
+                loras.add(request.lora_int_id)
                 i += 1
 
         # Then waiting ones, FIFO. Not after a preemption: the cache is full, and admitting now would
         # only preempt again next step.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
+        # A request whose adapter would exceed max_loras is passed over (it keeps its place for a later step).
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[j]
+            if not self._lora_fits(request, loras):
+                j += 1
+                continue
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: admit it once that token is known (next step)
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
@@ -195,7 +208,8 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
+            loras.add(request.lora_int_id)
             if request.status == RequestStatus.WAITING:  # first admission, not a preempted one's return
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
@@ -256,6 +270,13 @@ class Scheduler:
 
     # ---- helpers ----
 
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Whether the request's adapter (if any) can join this step's adapters within max_loras."""
+        lora_id = request.lora_int_id
+        if not lora_id or lora_id in loras:
+            return True
+        return len(loras - {0}) < self.max_loras and (self.lora_ready is None or self.lora_ready(request.lora_request))
+
     def _reaches_limit(self, request: Request) -> bool:
         """A pending token will end this request by length: scheduling it again would compute past the end."""
         if not request.num_pending_tokens:
@@ -311,6 +332,7 @@ class Scheduler:
             num_placeholders=num_placeholders,
             prev_row=request.pending_row if num_placeholders else -1,
             num_spec_tokens=len(spec),
+            lora_request=request.lora_request,
         )
         request.num_computed_tokens = end + len(spec)
         if seq.sample:

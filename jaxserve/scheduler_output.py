@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Optional
+
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -30,6 +33,7 @@ class ScheduledSeq:
     # Speculative decoding: the trailing ``num_spec_tokens`` of token_ids are proposals to verify, not yet part
     # of the sequence; the step scores each of them and returns the accepted ones plus one more token.
     num_spec_tokens: int = 0
+    lora_request: Optional[LoRARequest] = None  # the adapter this sequence runs with (None: the base model)
 
 
 @dataclasses.dataclass

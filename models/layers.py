@@ -127,10 +127,15 @@ class GatedMLP(nnx.Module):
         self.gate_up_proj = Linear(d, (2, f), axes=("embed", None, "mlp"), **kw)
         self.down_proj = Linear(f, d, axes=("mlp", "embed"), **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # x [T, D] -> [T, D]
+    def __call__(self, x: jax.Array, lora=None) -> jax.Array:  # x [T, D] -> [T, D]
         gate_up = self.gate_up_proj(x)  # [T, 2, F]
+        if lora is not None:  # models/lora.py's LoRABatch: gate and up deltas into the fused output
+            gate_up = gate_up + lora.delta("gate_up", x, self.down_proj.precision)
         h = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, F]
-        return self.down_proj(h)
+        y = self.down_proj(h)
+        if lora is not None:
+            y = y + lora.delta("down", h, self.down_proj.precision)
+        return y
 
 
 # ----- rotary position embedding -----

@@ -26,6 +26,7 @@ from jaxserve.models.config import TextModelConfig
 from jaxserve.models.layers import (
     Embed, GatedMLP, Linear, RMSNorm, apply_rope, mrope_cos_sin, rope_cos_sin, rope_inv_freq,
 )  # fmt: skip
+from jaxserve.models.lora import LoRABatch
 from jaxserve.pallas_kernels.attention import AttentionFn
 from jaxserve.pallas_kernels.fp8 import is_fp8
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
@@ -75,9 +76,12 @@ class LlamaAttention(nnx.Module):
         sin: jax.Array,  # [T, Dh] float32
         kv: KVCache,
         md: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, KVCache]:  # ([T, D], updated cache)
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, K, G+2, Dh]
+        if lora is not None:  # q, k and v's deltas, each in its slice of the fused output (models/lora.py)
+            qkv = qkv + lora.delta("qkv", x, self.precision)
         q = qkv[:, :, :-2].reshape(t, self.num_heads, self.head_dim)  # [T, H, Dh]: head h uses KV head h // G
         k, v = qkv[:, :, -2], qkv[:, :, -1]  # [T, K, Dh] each
         if self.q_norm is not None:
@@ -89,7 +93,11 @@ class LlamaAttention(nnx.Module):
             q, k, v, kv[0], kv[1], md, scale=self.scale, sliding_window=self.sliding_window, precision=self.precision,
             **fp8_kw,
         )  # out [T, H, Dh]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_pages, v_pages)
+        out = out.reshape(t, self.num_heads * self.head_dim)  # [T, H*Dh]
+        y = self.o_proj(out)  # [T, D]
+        if lora is not None:
+            y = y + lora.delta("o", out, self.precision)
+        return y, (k_pages, v_pages)
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -102,11 +110,13 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = GatedMLP(cfg, **kw)
 
-    def __call__(self, x, cos, sin, kv: KVCache, md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+    def __call__(
+        self, x, cos, sin, kv: KVCache, md: AttentionMetadata, lora: LoRABatch | None = None
+    ) -> tuple[jax.Array, KVCache]:
         # x [T, D] -> [T, D]
-        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md)
+        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, lora)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), lora)
         return x, kv
 
 
@@ -162,14 +172,16 @@ class LlamaForCausalLM(nnx.Module):
         *,
         mrope_positions: jax.Array | None = None,  # [3, T] int32, required iff cfg.mrope_section
         inputs_embeds: jax.Array | None = None,  # [T, D]: used instead of embedding input_ids (images)
+        lora: list[LoRABatch] | None = None,  # per layer: adapter slots and the tokens' slot mask (models/lora.py)
     ) -> tuple[jax.Array, list[KVCache]]:  # (hidden [T, D], updated caches)
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers")
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, D]
         cos, sin = self._rope(md.positions, mrope_positions)  # [T, Dh] each
         new_caches = []
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x, kv = layer(x, cos, sin, kv, md)
+        lora = lora if lora is not None else [None] * len(kv_caches)
+        for layer, kv, layer_lora in zip(self.model.layers, kv_caches, lora):
+            x, kv = layer(x, cos, sin, kv, md, layer_lora)
             new_caches.append(kv)
         return self.model.norm(x), new_caches
 

@@ -25,6 +25,9 @@ from jaxserve.server.metrics import ServerMetrics, metrics_endpoint
 from jaxserve.server.openapi import openapi_endpoint
 from jaxserve.server.routes_chat import create_chat_completion
 from jaxserve.server.routes_completions import create_completion
+from jaxserve.server.routes_lora import (
+    load_lora_adapter, register_lora_modules, runtime_lora_updating_from_env, unload_lora_adapter,
+)  # fmt: skip
 from jaxserve.server.routes_misc import detokenize, health, list_models, tokenize, version
 from jaxserve.server.serving import ServerState
 
@@ -42,6 +45,8 @@ class ServerOptions:
     graceful_shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     log_level: str = "info"
     access_log: bool = True
+    lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules name=path: adapters served under their names
+    allow_runtime_lora_updating: Optional[bool] = None  # None: $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING
 
 
 class APIKeyMiddleware:
@@ -64,9 +69,19 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None) -> Starlette:
-    """The ASGI app over an engine. The lifespan starts the engine thread and stops it on shutdown."""
-    state = ServerState.for_engine(engine, api_key=api_key)
+def build_app(
+    engine: AsyncLLMEngine,
+    api_key: Optional[str] = None,
+    lora_modules: Optional[list[tuple[str, str]]] = None,
+    allow_runtime_lora_updating: Optional[bool] = None,
+) -> Starlette:
+    """The ASGI app over an engine. The lifespan starts the engine thread and stops it on shutdown.
+    ``lora_modules``: (name, path) adapters served under their names; ``allow_runtime_lora_updating``: the
+    load/unload routes (None: from $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING)."""
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = runtime_lora_updating_from_env()
+    state = ServerState.for_engine(engine, api_key=api_key, allow_runtime_lora_updating=allow_runtime_lora_updating)
+    register_lora_modules(state, lora_modules or [])
     metrics = ServerMetrics(state.model_name)
     metrics.attach(engine)
     engine.observer = metrics
@@ -75,6 +90,8 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None) -> Starlett
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -147,7 +164,10 @@ def serve(engine_args: EngineArgs, options: ServerOptions) -> None:
     engine = AsyncLLMEngine.from_engine_args(engine_args, max_waiting_requests=options.max_waiting_requests)
     info = engine.engine.info()
     logger.info("engine ready: %s", info)
-    app = build_app(engine, api_key=options.api_key)
+    app = build_app(
+        engine, api_key=options.api_key, lora_modules=list(options.lora_modules),
+        allow_runtime_lora_updating=options.allow_runtime_lora_updating,
+    )
     server = _Server(uvicorn_config(app, options))
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host
     logger.info("serving %s at http://%s:%d/v1", info["model"], shown_host, options.port)

@@ -42,6 +42,16 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
         "--disable-access-log", "--disable_access_log", dest="disable_access_log", action="store_true",
         help="don't log every HTTP request",
     )
+    g.add_argument(
+        "--lora-modules", "--lora_modules", dest="lora_modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under their own model names; needs --enable-lora",
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating", "--allow_runtime_lora_updating", dest="allow_runtime_lora_updating",
+        action="store_true", default=None,
+        help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+        "$JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING=1, else off)",
+    )
     p.set_defaults(func=_cmd_serve)
     return p
 
@@ -49,6 +59,7 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from jaxserve.cli import engine_args_from
     from jaxserve.server.api_server import ServerOptions, serve
+    from jaxserve.server.routes_lora import parse_lora_modules
 
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests={ns.max_waiting_requests} is invalid: must be >= 1 (or unset)")
@@ -65,6 +76,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         log_level=ns.uvicorn_log_level,
         access_log=not ns.disable_access_log,
+        lora_modules=tuple(parse_lora_modules(ns.lora_modules)),
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
     )
-    serve(engine_args_from(ns), options)
+    args = engine_args_from(ns)
+    if options.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (and --max-loras / --max-lora-rank to fit the adapters)")
+    serve(args, options)
     return 0

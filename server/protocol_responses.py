@@ -147,6 +147,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "jaxserve"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 

@@ -69,7 +69,7 @@ async def create_chat_completion(request: Request) -> Response:
     except ValueError as e:
         raise from_value_error(e) from None
     request_id = random_id("chatcmpl")
-    streams = await state.submit(request_id, [prompt], params)
+    streams = await state.submit(request_id, [prompt], params, model)
     if body.stream:
         events = _stream(state, body, model, request_id, streams, len(prompt), top_k)
         return SSEResponse(guard_stream(events, what="chat", request_id=request_id, engine=state.engine, streams=streams))

@@ -55,7 +55,7 @@ async def create_completion(request: Request) -> Response:
         tokenizer = state.need_tokenizer("echo of a token-id prompt") if None in texts else None
         echo = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     request_id = random_id("cmpl")
-    streams = await state.submit(request_id, prompts, params)
+    streams = await state.submit(request_id, prompts, params, model)
     if body.stream:
         events = _stream(state, body, model, request_id, streams, prompts, echo)
         return SSEResponse(

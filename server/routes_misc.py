@@ -27,6 +27,10 @@ async def list_models(request: Request) -> Response:
         ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len)
         for name in state.served_model_names
     ]
+    cards += [
+        ModelCard(id=name, created=state.created, root=lora.lora_path, parent=state.model_name)
+        for name, lora in state.lora_modules.items()
+    ]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 

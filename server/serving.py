@@ -12,6 +12,7 @@ import pydantic
 from starlette.requests import Request
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
@@ -38,6 +39,10 @@ class ServerState:
     api_key: Optional[str] = None
     log_requests: bool = True
     created: int = dataclasses.field(default_factory=now_s)
+    # LoRA adapters served under their own model names (--lora-modules, or loaded at run time), by name.
+    lora_modules: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    next_lora_id: int = 1
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine, api_key: Optional[str] = None, **kw) -> "ServerState":
@@ -59,15 +64,20 @@ class ServerState:
         return self.served_model_names[0]
 
     def resolve_model(self, name: Optional[str]) -> str:
-        """The served name for ``name`` (None: the default); 404 for a model we don't serve."""
+        """The served name for ``name`` (None: the default; an adapter's name for a LoRA adapter); 404 for a
+        model we don't serve."""
         if name is None or name in self.served_model_names:
             return self.model_name
+        if name in self.lora_modules:
+            return name
+        served = ", ".join([*self.served_model_names, *self.lora_modules])
         raise APIError(
-            404,
-            f"The model `{name}` does not exist. This server serves: {', '.join(self.served_model_names)}",
-            param="model",
-            code="model_not_found",
+            404, f"The model `{name}` does not exist. This server serves: {served}", param="model", code="model_not_found"
         )
+
+    def lora_request(self, model: str) -> Optional[LoRARequest]:
+        """The adapter a resolved model name selects (None: the base model)."""
+        return self.lora_modules.get(model)
 
     def need_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -94,13 +104,18 @@ class ServerState:
                 param=tokens_param,
             )
 
-    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
-        """Add one engine request per prompt; all or none (on failure the ones added are aborted)."""
+    async def submit(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, model: Optional[str] = None
+    ) -> list[RequestStream]:
+        """Add one engine request per prompt; all or none (on failure the ones added are aborted). ``model``: the
+        resolved model name, which selects a LoRA adapter when it names one."""
         streams: list[RequestStream] = []
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        lora = self.lora_request(model) if model is not None else None
+        lora_kw = {"lora_request": lora} if lora is not None else {}
         try:
             for rid, ids_ in zip(ids, prompts):
-                streams.append(await self.engine.add_request(rid, {"prompt_token_ids": ids_}, params))
+                streams.append(await self.engine.add_request(rid, {"prompt_token_ids": ids_}, params, **lora_kw))
         except BaseException as e:
             self.engine.abort([s.request_id for s in streams])
             raise engine_error(e) from e

@@ -27,11 +27,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerThread:
     """uvicorn serving ``engine`` on 127.0.0.1 in a daemon thread; ``stop()`` shuts it down gracefully."""
 
-    def __init__(self, engine: AsyncLLMEngine, api_key: Optional[str] = None, graceful_shutdown_timeout: float = 5.0):
+    def __init__(
+        self, engine: AsyncLLMEngine, api_key: Optional[str] = None, graceful_shutdown_timeout: float = 5.0, **app_kw
+    ):
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = build_app(engine, api_key=api_key)
+        self.app = build_app(engine, api_key=api_key, **app_kw)  # app_kw: lora_modules, allow_runtime_lora_updating
         options = ServerOptions(
             host="127.0.0.1", port=self.port, api_key=api_key, log_level="warning", access_log=False,
             graceful_shutdown_timeout=graceful_shutdown_timeout,
