@@ -39,6 +39,10 @@ _HELP = {
     "runner": "generate (an LM), pooling (embeddings: LLM.embed, /v1/embeddings) or auto (pooling for a "
     "sentence-transformers, BERT-family or bare *Model decoder checkpoint, else generate)",
     "task": "vLLM's older spelling of --runner: embed (pooling) or generate",
+    "limit_mm_per_prompt": "vision-language models: most images per prompt, e.g. image=2 (or JSON '{\"image\": 2}')",
+    "mm_processor_kwargs": 'vision-language models: image processor overrides as JSON, e.g. \'{"max_pixels": 401408}\'',
+    "allowed_local_media_path": "vision-language models: the directory prompts may read images from (file:// URLs "
+    "or paths); unset, no local file is read",
 }
 
 
@@ -55,7 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         hint = hints[f.name]
         base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Union else hint
         help_text = _HELP.get(f.name, "") + (f" (default: {f.default})" if f.default not in (None, False) else "")
-        if f.name == "speculative_config":
+        if f.name in ("speculative_config", "limit_mm_per_prompt", "mm_processor_kwargs"):
             base = str  # JSON, parsed by jaxserve.spec_decode.config
         if base is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)

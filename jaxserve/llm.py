@@ -41,7 +41,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order.
 
-        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is
+        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``; for a vision-language model
+        either dict may add ``"multi_modal_data": {"image": PIL image or [images]}``, each image marked in the
+        prompt by ``<|vision_start|><|image_pad|><|vision_end|>``. ``sampling_params`` is
         one SamplingParams for all, or a list with one per prompt. A bad prompt raises ValueError before any
         request is queued, so nothing half-runs.
         """
@@ -69,11 +71,18 @@ class LLM:
         tokenized = []  # each prompt tokenized once, here; the engine takes the ids (and keeps the text)
         for i, (p, sp) in enumerate(zip(prompts, params)):  # validate everything before queueing anything
             try:
-                text, prompt_ids = engine.tokenize_prompt(p)
+                if hasattr(engine, "prepare_prompt"):
+                    text, prompt_ids, mm = engine.prepare_prompt(p)
+                else:  # a data-parallel router: text models only
+                    (text, prompt_ids), mm = engine.tokenize_prompt(p), None
+                if mm is None and getattr(engine, "mm_processor", None) is not None:
+                    engine.mm_processor.process(prompt_ids, [])  # placeholders without images: an error
                 engine.validate_prompt(prompt_ids, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
+            if mm is not None:
+                tokenized[-1]["mm_inputs"] = mm
         ids = [str(next(self._ids)) for _ in prompts]
         for rid, p, sp in zip(ids, tokenized, params):
             engine.add_request(rid, p, sp)

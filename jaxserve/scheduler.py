@@ -311,6 +311,7 @@ class Scheduler:
             num_placeholders=num_placeholders,
             prev_row=request.pending_row if num_placeholders else -1,
             num_spec_tokens=len(spec),
+            mm=request.mm,
         )
         request.num_computed_tokens = end + len(spec)
         if seq.sample:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -30,6 +31,8 @@ class ScheduledSeq:
     # Speculative decoding: the trailing ``num_spec_tokens`` of token_ids are proposals to verify, not yet part
     # of the sequence; the step scores each of them and returns the accepted ones plus one more token.
     num_spec_tokens: int = 0
+    # A vision-language request's images and M-RoPE rows (jaxserve.multimodal.MultiModalInputs), or None.
+    mm: Any = None
 
 
 @dataclasses.dataclass
