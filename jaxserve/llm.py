@@ -132,10 +132,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
-            for c in conversations
-        ]
+        prompts = []
+        for c in conversations:
+            # Image parts ({"type": "image_url", "image_url": {"url": ...}} or "image_pil") become the template's
+            # {"type": "image"}; the images travel beside the prompt.
+            from jaxserve.media import split_image_parts
+
+            c, images = split_image_parts(c, self.engine_args.allowed_local_media_path)
+            prompt = {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, chat_template=None, add_generation_prompt=True):
