@@ -37,6 +37,10 @@ class ServerState:
     max_model_len: int
     api_key: Optional[str] = None
     log_requests: bool = True
+    # Vision-language models: the engine's image processor (None for text models), and where image_url parts
+    # may name local files (None: nowhere).
+    mm_processor: Any = None
+    allowed_local_media_path: Optional[str] = None
     created: int = dataclasses.field(default_factory=now_s)
 
     @classmethod
@@ -51,6 +55,8 @@ class ServerState:
             model_root=core.model_config.model,
             max_model_len=core.model_config.max_model_len,
             api_key=api_key,
+            mm_processor=getattr(core, "mm_processor", None),
+            allowed_local_media_path=getattr(getattr(core, "args", None), "allowed_local_media_path", None),
             **kw,
         )
 
@@ -94,13 +100,17 @@ class ServerState:
                 param=tokens_param,
             )
 
-    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
-        """Add one engine request per prompt; all or none (on failure the ones added are aborted)."""
+    async def submit(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, mm: Any = None
+    ) -> list[RequestStream]:
+        """Add one engine request per prompt; all or none (on failure the ones added are aborted). ``mm``: one
+        prompt's preprocessed images (jaxserve.multimodal.MultiModalInputs), its ids already expanded."""
         streams: list[RequestStream] = []
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
             for rid, ids_ in zip(ids, prompts):
-                streams.append(await self.engine.add_request(rid, {"prompt_token_ids": ids_}, params))
+                prompt = {"prompt_token_ids": ids_} if mm is None else {"prompt_token_ids": ids_, "mm_inputs": mm}
+                streams.append(await self.engine.add_request(rid, prompt, params))
         except BaseException as e:
             self.engine.abort([s.request_id for s in streams])
             raise engine_error(e) from e
