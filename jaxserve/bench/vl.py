@@ -187,17 +187,18 @@ def child_main(spec_path: str, res_path: str) -> None:
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": img}} for ids, img in work]
     llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}} for ids, img in warm],
                  SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4), use_tqdm=False)  # fmt: skip
+    vision = llm.llm_engine.runner.vision
+    encoded = vision.num_encoded
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    vision = llm.llm_engine.runner.vision
     result = {
         "engine": "jaxserve", "dtype": llm.llm_engine.model_config.dtype, "elapsed_s": elapsed,
         "output_tokens": out_tokens, "input_tokens": in_tokens, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed, "requests_per_s": len(outs) / elapsed,
-        "startup_s": startup_s, "images_encoded": vision.num_encoded, "engine_info": llm.llm_engine.info(),
+        "startup_s": startup_s, "images_encoded": vision.num_encoded - encoded, "engine_info": llm.llm_engine.info(),
         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
     }  # fmt: skip
     with open(res_path, "w") as f:
