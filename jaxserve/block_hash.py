@@ -56,6 +56,7 @@ def extend_block_hashes(request: Request, block_size: int, num_blocks: int) -> l
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_blocks):
         lo, hi = i * block_size, (i + 1) * block_size
-        parent = hash_block_tokens(parent, tokens[lo:hi], image_keys(request, lo, hi))
+        extra = image_keys(request, lo, hi)
+        parent = hash_block_tokens(parent, tokens[lo:hi], extra) if extra else hash_block_tokens(parent, tokens[lo:hi])
         hashes.append(parent)
     return hashes
