@@ -315,4 +315,5 @@ class LLMEngine:
             "tensor_parallel_size": self.runner.mesh.shape["model"],
             "data_parallel_size": 1,
             "speculative_config": None if self.speculator is None else dataclasses.asdict(self.speculator.config),
+            "vision": None if getattr(self.runner, "vision", None) is None else self.runner.vision.info(),
         }

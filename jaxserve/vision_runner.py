@@ -82,6 +82,10 @@ class VisionRunner:
         self.num_encoded = 0  # images run through the tower (cache misses)
         self.num_cache_hits = 0  # image lookups served by the encoder cache
 
+    def info(self) -> dict:
+        return {"pool_rows": self.num_rows, "images_encoded": self.num_encoded, "encoder_cache_hits": self.num_cache_hits,
+                "patch_buckets_compiled": sorted(self.compiled_buckets)}  # fmt: skip
+
     @property
     def pool_bytes(self) -> int:
         return self.pool.size * self.pool.dtype.itemsize

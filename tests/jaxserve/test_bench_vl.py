@@ -4,6 +4,8 @@ command runs each in a child process), then the table and speed-ups the command 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 from tiny_qwen2_vl import tiny_qwen2_vl
 
@@ -13,8 +15,12 @@ WORKLOAD = dict(num_prompts=3, input_len=6, image_size=56, output_len=3)
 
 
 def test_rows_and_table(tmp_path):
+    """The jaxserve row on dummy weights from the config alone (as on the GPU), the HF row on the checkpoint."""
     spec, res = tmp_path / "spec.json", tmp_path / "res.json"
-    engine_args = vl.row_settings("fp32", dict(model=tiny_qwen2_vl(), max_model_len=64, max_num_batched_tokens=16,
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(os.path.join(tiny_qwen2_vl(), "config.json"), config_only)
+    engine_args = vl.row_settings("fp32", dict(model=str(config_only), load_format="dummy", max_model_len=64, max_num_batched_tokens=16,
                                                max_num_seqs=1,  # two step shapes: a 16-token prefill, a decode
                                                block_size=4, compilation_cache_dir="", precompile="none"))
     spec.write_text(json.dumps({"engine_args": engine_args, "workload": WORKLOAD}))

@@ -46,8 +46,11 @@ def test_images_batched_with_text_match_hf(llm):
         {"prompt": f"a {PH} and then {PH} end of it", "multi_modal_data": {"image": [image(84, 56, 1), image(56, 56, 2)]}},
         {"prompt": f"{PH} first", "multi_modal_data": {"image": [image(56, 84, 3)]}},
         {"prompt": "no images here at all"},
+        {"prompt": f"other words {PH} same picture", "multi_modal_data": {"image": image(84, 112)}},
     ]
+    before = llm.llm_engine.info()["vision"]["images_encoded"]
     outs = llm.generate(prompts, _params(), use_tqdm=False)
+    assert llm.llm_engine.info()["vision"]["images_encoded"] - before == 4  # the repeated picture: encoded once
     ids = outs[0].prompt_token_ids
     first = ids.index(IMG)
     assert first < 16 < first + 12 == len(ids) - 4  # expanded to 12 tokens; the 16-token chunk ends inside
