@@ -106,6 +106,9 @@ class VisionRunner:
                 continue
             lo, n = int(query_start_loc[i]), len(seq.token_ids)
             start, end = seq.start_pos, seq.start_pos + n
+            if start >= mm.mrope_positions.shape[1]:  # past the prompt (every decode): p + delta, no image
+                fields[:3, lo : lo + n] += mm.mrope_delta
+                continue
             fields[:3, lo : lo + n] = mm.rope_rows(positions[lo : lo + n])
             for img in mm.images:
                 first, last = img.offset, img.offset + img.num_tokens

@@ -8,9 +8,13 @@ between two halves of --input-len random text tokens, --output-len new tokens, E
 a subset, in this order): HF generate in float32 and in bfloat16 (static batches, the fastest of
 --hf-batch-sizes); jaxserve in float32, in bfloat16, bfloat16 without chunked prefill, and bfloat16 with
 enforce_eager. Each row runs in a fresh Python process, one after another, so each starts with all device
-memory free. Every jaxserve row warms up on two requests of other images (compiling the vision step's bucket
-and the text shapes those reach), then times one LLM.generate over the workload: image preprocessing, the
-vision tower and the decoder are all inside the timed region, as they are in HF's rows.
+memory free. Every jitted jaxserve row first runs the whole workload once on other images (so every step
+shape and the vision step's bucket it reaches are compiled, with any --precompile), then times one
+LLM.generate over the workload; the eager row warms up on two short requests. Image preprocessing, the
+vision tower and the decoder are all inside the timed region, as they are in HF's rows. A row's JSON says
+how many shapes still compiled inside its timed region (``lazy_compiles_timed``; 0 means a clean timing).
+
+Rows can be run in separate calls (``--rows``) and put together with ``--include`` earlier outputs.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--hf-batch-sizes", "--hf_batch_sizes", dest="hf_batch_sizes", default="32,64,128",
                    help="HF rows time each of these static batch sizes and keep the fastest")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed per row")
+    p.add_argument("--include", nargs="*", default=[], metavar="JSON",
+                   help="rows of earlier `bench vl` outputs (same workload) to add to this table, not run again")
     p.add_argument("--output-json", "--output_json", dest="output_json", default="bench_vl.json")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -86,7 +92,7 @@ def run(ns: argparse.Namespace) -> int:
 
     rows_wanted = [r.strip() for r in ns.rows.split(",") if r.strip()]
     bad = [r for r in rows_wanted if r not in ROWS]
-    if not rows_wanted or bad:
+    if (not rows_wanted and not ns.include) or bad:
         raise ValueError(f"--rows={ns.rows!r} is invalid: choose from {','.join(ROWS)}")
     from jaxserve.model_loader import read_text_config, resolve_model_path
 
@@ -98,7 +104,7 @@ def run(ns: argparse.Namespace) -> int:
     workload = dict(num_prompts=ns.num_prompts, input_len=ns.input_len, image_size=ns.image_size,
                     output_len=ns.output_len)  # fmt: skip
     batch_sizes = [int(b) for b in ns.hf_batch_sizes.split(",") if b.strip()]
-    rows = []
+    rows = _included(ns.include, workload)
     for name in (r for r in ROWS if r in rows_wanted):
         print(f"bench vl: {name}: running...", flush=True)
         if name.startswith("hf-"):
@@ -117,6 +123,17 @@ def run(ns: argparse.Namespace) -> int:
         json.dump(result, f, indent=1)
     print(f"bench vl: wrote {ns.output_json}")
     return 0
+
+
+def _included(paths: list[str], workload: dict) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        if res.get("workload") != workload:
+            raise ValueError(f"--include {path}: its workload {res.get('workload')} is not this one {workload}")
+        rows += [{**r, "included_from": path} for r in res["rows"]]
+    return rows
 
 
 def _speedups(rows: list[dict]) -> None:
@@ -182,13 +199,16 @@ def child_main(spec_path: str, res_path: str) -> None:
     startup_s = time.perf_counter() - t0
     vl_config = llm.llm_engine.mm_processor.config
     work = make_workload(vl_config, **work_spec)
-    warm = make_workload(vl_config, **{**work_spec, "num_prompts": 2}, seed=1)  # other images: no cache hits
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=work_spec["output_len"])
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": img}} for ids, img in work]
+    eager = spec["engine_args"].get("enforce_eager")
+    warm = make_workload(vl_config, **{**work_spec, "num_prompts": 2 if eager else work_spec["num_prompts"]}, seed=1)
+    # Other images than the timed run's: the encoder and prefix caches cannot help it.
     llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}} for ids, img in warm],
-                 SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4), use_tqdm=False)  # fmt: skip
-    vision = llm.llm_engine.runner.vision
-    encoded = vision.num_encoded
+                 params.clone(max_tokens=4) if eager else params, use_tqdm=False)  # fmt: skip
+    runner = llm.llm_engine.runner
+    vision = runner.vision
+    encoded, lazy = vision.num_encoded, runner.num_lazy_compiles + len(vision.compiled_buckets)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -198,7 +218,8 @@ def child_main(spec_path: str, res_path: str) -> None:
         "engine": "jaxserve", "dtype": llm.llm_engine.model_config.dtype, "elapsed_s": elapsed,
         "output_tokens": out_tokens, "input_tokens": in_tokens, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed, "requests_per_s": len(outs) / elapsed,
-        "startup_s": startup_s, "images_encoded": vision.num_encoded - encoded, "engine_info": llm.llm_engine.info(),
+        "startup_s": startup_s, "images_encoded": vision.num_encoded - encoded,
+        "lazy_compiles_timed": runner.num_lazy_compiles + len(vision.compiled_buckets) - lazy, "engine_info": llm.llm_engine.info(),
         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
     }  # fmt: skip
     with open(res_path, "w") as f:
