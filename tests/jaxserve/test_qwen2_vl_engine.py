@@ -94,3 +94,14 @@ def test_bad_multimodal_prompts_raise(llm):
         llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": image(56, 56)}}, _params())
     with pytest.raises(ValueError, match="network fetches are off"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
+
+
+def test_tensor_parallel_matches_hf():
+    """TP=2: the tower replicated, the decoder sharded by heads. (enforce_eager gives the same tokens too, by
+    hand: 13 s of unjitted CPU ops, too slow to run here.)"""
+    llm = LLM(
+        tiny_qwen2_vl(), dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2,
+        block_size=4, compilation_cache_dir="", use_tqdm_on_load=False, precompile="none", tensor_parallel_size=2,
+    )  # fmt: skip
+    prompts = [{"prompt": f"the cat {PH} is on", "multi_modal_data": {"image": image(56, 84)}}]
+    _check(llm, prompts, llm.generate(prompts, _params(), use_tqdm=False))
