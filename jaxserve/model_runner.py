@@ -418,6 +418,7 @@ class ModelRunner:
             "kv_scales": self.kv_scales,
             "max_rows": self.max_rows,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
+            "image_pool_rows": self._pool_rows,  # a vision-language step's pool argument has this many rows
             "runner": repr(self.runner_config),
             # Not the device ids: a data-parallel replica on other devices of the same kind loads the same
             # programs onto its own devices.
