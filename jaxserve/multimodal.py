@@ -160,7 +160,9 @@ def _as_rgb(image: Any, index: int):
             raise ValueError(f"image {index}: an array image must be [H, W, 3] uint8, got {image.dtype}{image.shape}")
         image = Image.fromarray(image)
     if not isinstance(image, Image.Image):
-        raise ValueError(f"image {index}: expected a PIL.Image.Image or an [H, W, 3] uint8 array, got {type(image).__name__}")
+        raise ValueError(
+            f"image {index}: expected a PIL.Image.Image or an [H, W, 3] uint8 array, got {type(image).__name__}"
+        )
     if image.width < 1 or image.height < 1:
         raise ValueError(f"image {index} is empty ({image.width}x{image.height} pixels)")
     return image if image.mode == "RGB" else image.convert("RGB")
@@ -171,7 +173,9 @@ def images_of(multi_modal_data: Any) -> list[Any]:
     if multi_modal_data is None:
         return []
     if not isinstance(multi_modal_data, dict):
-        raise ValueError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(multi_modal_data).__name__}")
+        raise ValueError(
+            f"multi_modal_data must be a dict like {{'image': image}}, got {type(multi_modal_data).__name__}"
+        )
     other = sorted(set(multi_modal_data) - {"image"})
     if other:
         raise ValueError(f"multi_modal_data has {other}: only 'image' is supported")

@@ -83,8 +83,8 @@ class VisionRunner:
         self.num_cache_hits = 0  # image lookups served by the encoder cache
 
     def info(self) -> dict:
-        return {"pool_rows": self.num_rows, "images_encoded": self.num_encoded, "encoder_cache_hits": self.num_cache_hits,
-                "patch_buckets_compiled": sorted(self.compiled_buckets)}  # fmt: skip
+        return {"pool_rows": self.num_rows, "images_encoded": self.num_encoded,
+                "encoder_cache_hits": self.num_cache_hits, "patch_buckets_compiled": sorted(self.compiled_buckets)}
 
     @property
     def pool_bytes(self) -> int:

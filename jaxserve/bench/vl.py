@@ -81,7 +81,8 @@ def row_settings(name: str, base: dict) -> dict:
     args = {**base, "dtype": "float32" if name == "fp32" else "bfloat16"}
     if name == "bf16-no-chunked-prefill":
         budget, max_len = base.get("max_num_batched_tokens"), base.get("max_model_len")
-        args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(budget, max_len) if budget and max_len else None)
+        budget = max(budget, max_len) if budget and max_len else None  # a whole prompt must fit one step
+        args.update(enable_chunked_prefill=False, max_num_batched_tokens=budget)
     if name == "bf16-eager":
         args["enforce_eager"] = True
     return args
@@ -112,7 +113,8 @@ def run(ns: argparse.Namespace) -> int:
                     "workload": workload}  # fmt: skip
             row = _child("jaxserve.bench.hf_vl_generate", spec, ns.timeout)
         else:
-            row = _child("jaxserve.bench.vl", {"engine_args": row_settings(name, base), "workload": workload}, ns.timeout)
+            spec = {"engine_args": row_settings(name, base), "workload": workload}
+            row = _child("jaxserve.bench.vl", spec, ns.timeout)
         rows.append({"row": name, "note": NOTES[name], **row})
         _print_row(rows[-1])
     _speedups(rows)
@@ -138,7 +140,8 @@ def _included(paths: list[str], workload: dict) -> list[dict]:
 
 def _speedups(rows: list[dict]) -> None:
     """Each row's speed-up over HF in the same dtype, and over HF's fastest row."""
-    hf = {r["dtype"]: r["output_tokens_per_s"] for r in rows if r["row"].startswith("hf-") and "output_tokens_per_s" in r}
+    hf = {r["dtype"]: r["output_tokens_per_s"] for r in rows
+          if r["row"].startswith("hf-") and "output_tokens_per_s" in r}  # fmt: skip
     best = max(hf.values(), default=None)
     for r in rows:
         if "output_tokens_per_s" not in r:
@@ -180,7 +183,8 @@ def format_table(rows: list[dict]) -> str:
         same = f"{r['speedup_vs_hf_same_dtype']:.2f}x" if "speedup_vs_hf_same_dtype" in r else "–"
         best = f"{r['speedup_vs_best_hf']:.2f}x" if "speedup_vs_best_hf" in r else "–"
         note = r["note"] + (f" (batch {r['batch_size']})" if "batch_size" in r else "")
-        lines.append(f"| {r['row']} | {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | {same} | {best} | {note} |")
+        tps, rps = f"{r['output_tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}"
+        lines.append(f"| {r['row']} | {tps} | {rps} | {same} | {best} | {note} |")
     return "\n".join(lines)
 
 
@@ -219,7 +223,8 @@ def child_main(spec_path: str, res_path: str) -> None:
         "output_tokens": out_tokens, "input_tokens": in_tokens, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed, "requests_per_s": len(outs) / elapsed,
         "startup_s": startup_s, "images_encoded": vision.num_encoded - encoded,
-        "lazy_compiles_timed": runner.num_lazy_compiles + len(vision.compiled_buckets) - lazy, "engine_info": llm.llm_engine.info(),
+        "lazy_compiles_timed": runner.num_lazy_compiles + len(vision.compiled_buckets) - lazy,
+        "engine_info": llm.llm_engine.info(),
         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
     }  # fmt: skip
     with open(res_path, "w") as f:
