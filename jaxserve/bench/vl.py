@@ -10,7 +10,7 @@ a subset, in this order): HF generate in float32 and in bfloat16 (static batches
 enforce_eager. Each row runs in a fresh Python process, one after another, so each starts with all device
 memory free. Every jitted jaxserve row first runs the whole workload once on other images (so every step
 shape and the vision step's bucket it reaches are compiled, with any --precompile), then times one
-LLM.generate over the workload; the eager row warms up on two short requests. Image preprocessing, the
+LLM.generate over the workload; the eager row warms up on the prompts with 8 new tokens. Image preprocessing, the
 vision tower and the decoder are all inside the timed region, as they are in HF's rows. A row's JSON says
 how many shapes still compiled inside its timed region (``lazy_compiles_timed``; 0 means a clean timing).
 
@@ -205,11 +205,12 @@ def child_main(spec_path: str, res_path: str) -> None:
     work = make_workload(vl_config, **work_spec)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=work_spec["output_len"])
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": img}} for ids, img in work]
+    # Other images than the timed run's: the encoder and prefix caches cannot help it. The eager row (no
+    # programs, but JAX still compiles each op per shape on first use) warms up on the prompts and 8 tokens.
     eager = spec["engine_args"].get("enforce_eager")
-    warm = make_workload(vl_config, **{**work_spec, "num_prompts": 2 if eager else work_spec["num_prompts"]}, seed=1)
-    # Other images than the timed run's: the encoder and prefix caches cannot help it.
+    warm = make_workload(vl_config, **work_spec, seed=1)
     llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}} for ids, img in warm],
-                 params.clone(max_tokens=4) if eager else params, use_tqdm=False)  # fmt: skip
+                 params.clone(max_tokens=min(8, params.max_tokens)) if eager else params, use_tqdm=False)  # fmt: skip
     runner = llm.llm_engine.runner
     vision = runner.vision
     encoded, lazy = vision.num_encoded, runner.num_lazy_compiles + len(vision.compiled_buckets)
