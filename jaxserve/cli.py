@@ -44,6 +44,10 @@ _HELP = {
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: --max-loras)",
     "lora_dtype": "dtype of the LoRA weights: auto (the model's), float32, bfloat16, float16",
     "task": "vLLM's older spelling of --runner: embed (pooling) or generate",
+    "limit_mm_per_prompt": "vision-language models: most images per prompt, e.g. image=2 (or JSON '{\"image\": 2}')",
+    "mm_processor_kwargs": 'vision-language models: image processor overrides as JSON, e.g. \'{"max_pixels": 401408}\'',
+    "allowed_local_media_path": "vision-language models: the directory prompts may read images from (file:// URLs "
+    "or paths); unset, no local file is read",
 }
 
 
@@ -60,7 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         hint = hints[f.name]
         base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Union else hint
         help_text = _HELP.get(f.name, "") + (f" (default: {f.default})" if f.default not in (None, False) else "")
-        if f.name == "speculative_config":
+        if f.name in ("speculative_config", "limit_mm_per_prompt", "mm_processor_kwargs"):
             base = str  # JSON, parsed by jaxserve.spec_decode.config
         if base is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
@@ -128,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s), spec-decode (speculative decoding vs none), lora (multi-LoRA vs none)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s), spec-decode (speculative decoding vs none), lora (multi-LoRA vs none), vl (vision-language vs HF)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.bench import ablation, embed, latency, load, lora, spec_decode, suite, sweep, throughput
+    from jaxserve.bench import ablation, embed, latency, load, lora, spec_decode, suite, sweep, throughput, vl
 
-    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed, spec_decode, lora):
+    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed, spec_decode, lora, vl):
         bench_module.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve

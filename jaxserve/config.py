@@ -73,6 +73,12 @@ class EngineArgs:
     # Speculative decoding, as vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
     # "prompt_lookup_min"/"prompt_lookup_max" (ngram), "model" (draft_model)}; a JSON string from the CLI.
     speculative_config: Optional[Any] = None
+    # Vision-language models: most images one prompt may carry ({"image": N}, or "image=N" from the CLI);
+    # the image processor's overrides (e.g. {"max_pixels": 401408}); the directory under which prompts may
+    # name local image files (file:// URLs or paths). Unset: no local files are read.
+    limit_mm_per_prompt: Optional[Any] = None
+    mm_processor_kwargs: Optional[Any] = None
+    allowed_local_media_path: Optional[str] = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -143,6 +149,11 @@ class EngineArgs:
             raise bad("task", f"choose one of {TASKS} (or set runner= instead)")
         if self.max_logprobs < 0 or self.max_logprobs > 20:
             raise bad("max_logprobs", "must be in [0, 20]")
+        from jaxserve.multimodal import parse_limit_mm_per_prompt
+
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises, naming the value and what works
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, (dict, str)):
+            raise bad("mm_processor_kwargs", 'pass a dict (or JSON), e.g. {"max_pixels": 401408}')
         from jaxserve.spec_decode.config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # raises, naming the key, the value and what works

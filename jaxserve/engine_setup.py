@@ -36,6 +36,7 @@ class EngineComponents:
     parallel_config: ParallelConfig = ParallelConfig()
     mesh: Any = None  # this engine's (1, tp) device mesh
     speculator: Any = None  # jaxserve.spec_decode.speculator.Speculator when speculative_config is set
+    mm_processor: Any = None  # jaxserve.multimodal.MultiModalProcessor for a vision-language model
 
 
 def enable_compilation_cache(cache_dir: Optional[str]) -> Optional[str]:
@@ -138,9 +139,12 @@ def build_engine_components(
     precompile = args.precompile if args.precompile != "auto" else ("common" if platform == "cpu" else "all")
     runner_config = RunnerConfig(args.enforce_eager, backend, cache_dir, platform, precompile)
     lora_config = _lora_config(args, dtype)
+    mm_processor = _mm_processor(args, path, model)
     runner = ModelRunner(
-        model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh, lora_config=lora_config
-    )
+        model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh,
+        lora_config=lora_config,
+        mm_max_tokens_per_image=mm_processor.max_tokens_per_image if mm_processor is not None else 0,
+    )  # fmt: skip
     del model
     scheduler = Scheduler(
         max_num_seqs=max_num_seqs,
@@ -170,6 +174,7 @@ def build_engine_components(
     return EngineComponents(
         args, model_config, cache_config, scheduler_config, runner_config, text_config, tokenizer,
         tuple(sorted(eos)), runner, scheduler, ParallelConfig(tp, args.data_parallel_size), mesh, speculator,
+        mm_processor,
     )
 
 
@@ -183,6 +188,26 @@ def _lora_config(args: EngineArgs, dtype: str) -> Optional[LoRAConfig]:
         max_cpu_loras=args.max_cpu_loras or args.max_loras,
         lora_dtype=dtype if args.lora_dtype == "auto" else args.lora_dtype,
     )
+def _mm_processor(args: EngineArgs, path: str, model: Any) -> Any:
+    """The image processor of a vision-language model (None for a text model); refuses what it cannot run."""
+    import json
+
+    from jaxserve.multimodal import MultiModalProcessor, parse_limit_mm_per_prompt
+
+    vl_config = getattr(model, "vl_config", None)
+    if vl_config is None:
+        if args.limit_mm_per_prompt:
+            logger.warning("limit_mm_per_prompt=%r is ignored: %s is a text-only model", args.limit_mm_per_prompt, path)
+        return None
+    for name, off in (("speculative_config", None), ("data_parallel_size", 1), ("enable_lora", False)):
+        if getattr(args, name) != off:
+            raise ValueError(
+                f"{name}={getattr(args, name)!r} is not supported with a vision-language model yet; leave it unset"
+            )
+    kwargs = args.mm_processor_kwargs
+    if isinstance(kwargs, str):
+        kwargs = json.loads(kwargs)
+    return MultiModalProcessor(path, vl_config, parse_limit_mm_per_prompt(args.limit_mm_per_prompt), kwargs)
 
 
 def _speculator(args: EngineArgs, runner: Any, text_config: Any, platform: str, mesh: Any, progress: bool) -> Any:

@@ -46,7 +46,9 @@ class LLM:
         ``lora_request``: one LoRARequest for every prompt, or a list with one (or None) per prompt; needs
         enable_lora=True.
 
-        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is
+        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``; for a vision-language model
+        either dict may add ``"multi_modal_data": {"image": PIL image or [images]}``, each image marked in the
+        prompt by ``<|vision_start|><|image_pad|><|vision_end|>``. ``sampling_params`` is
         one SamplingParams for all, or a list with one per prompt. A bad prompt raises ValueError before any
         request is queued, so nothing half-runs.
         """
@@ -74,11 +76,18 @@ class LLM:
         tokenized = []  # each prompt tokenized once, here; the engine takes the ids (and keeps the text)
         for i, (p, sp) in enumerate(zip(prompts, params)):  # validate everything before queueing anything
             try:
-                text, prompt_ids = engine.tokenize_prompt(p)
+                if hasattr(engine, "prepare_prompt"):
+                    text, prompt_ids, mm = engine.prepare_prompt(p)
+                else:  # a data-parallel router: text models only
+                    (text, prompt_ids), mm = engine.tokenize_prompt(p), None
+                if mm is None and getattr(engine, "mm_processor", None) is not None:
+                    engine.mm_processor.process(prompt_ids, [])  # placeholders without images: an error
                 engine.validate_prompt(prompt_ids, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
+            if mm is not None:
+                tokenized[-1]["mm_inputs"] = mm
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompts)
         else:
@@ -141,10 +150,17 @@ class LLM:
         """Generate replies to one conversation or a list of them, through the model's chat template
         (``lora_request`` as in ``generate``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
-            for c in conversations
-        ]
+        prompts = []
+        for c in conversations:
+            # Image parts ({"type": "image_url", "image_url": {"url": ...}} or "image_pil") become the template's
+            # {"type": "image"}; the images travel beside the prompt.
+            from jaxserve.media import split_image_parts
+
+            c, images = split_image_parts(c, self.engine_args.allowed_local_media_path)
+            prompt = {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: Conversation, chat_template=None, add_generation_prompt=True):

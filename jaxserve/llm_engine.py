@@ -72,6 +72,7 @@ class LLMEngine:
         self.speculator = c.speculator  # None unless speculative_config is set (jaxserve.spec_decode)
         if self.runner.lora is not None:  # an adapter's requests wait until its weights are read, the rest run
             self.scheduler.lora_ready = self.runner.lora.is_ready
+        self.mm_processor = getattr(c, "mm_processor", None)  # vision-language models only
         self._in_flight: Optional[tuple[SchedulerOutput, StepHandle]] = None  # dispatched, not yet read
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
@@ -116,6 +117,28 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
 
+    def prepare_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], Any]:
+        """(text, token ids, MultiModalInputs or None). A dict may carry ``multi_modal_data``
+        ({"image": PIL image or list}): its placeholders are expanded and the images preprocessed; or
+        ``mm_inputs``, the result of an earlier call (ids already expanded)."""
+        if not isinstance(prompt, dict):
+            return (*self.tokenize_prompt(prompt), None)
+        if "mm_inputs" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), prompt["mm_inputs"]
+        data = prompt.get("multi_modal_data")
+        text, ids = self.tokenize_prompt({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        if self.mm_processor is None:
+            if data:
+                raise ValueError(
+                    f"multi_modal_data was given but {self.model_config.served_model_name} is a text-only model; "
+                    "serve a vision-language model (Qwen2-VL) to send images"
+                )
+            return text, ids, None
+        from jaxserve.multimodal import images_of
+
+        ids, mm = self.mm_processor.process(ids, images_of(data))
+        return text, ids, mm
+
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         max_len = self.model_config.max_model_len
         if not prompt_ids:
@@ -151,7 +174,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, prompt_ids = self.tokenize_prompt(prompt)
+        text, prompt_ids, mm = self.prepare_prompt(prompt)
+        if mm is None and self.mm_processor is not None:
+            self.mm_processor.process(prompt_ids, [])  # image placeholders without images are an error
         self.validate_prompt(prompt_ids, params)
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -164,8 +189,9 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = self._seed_for(params.seed, i)
             req = Request(
-                child_id, prompt_ids, params, self.eos_token_ids, seed=seed, arrival_time=arrival, lora_request=lora_request
-            )
+                child_id, prompt_ids, params, self.eos_token_ids, seed=seed, arrival_time=arrival,
+                lora_request=lora_request, mm=mm,
+            )  # fmt: skip
             detok = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -341,4 +367,5 @@ class LLMEngine:
             "data_parallel_size": 1,
             "speculative_config": None if self.speculator is None else dataclasses.asdict(self.speculator.config),
             "lora": None if self.runner.lora_config is None else dataclasses.asdict(self.runner.lora_config),
+            "vision": None if getattr(self.runner, "vision", None) is None else self.runner.vision.info(),
         }

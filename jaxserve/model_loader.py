@@ -77,6 +77,8 @@ def load_model(
         progress=progress,
     )  # fmt: skip
 
+    if fmt in ("safetensors", "dummy") and is_vision_language(path):
+        return _load_qwen2_vl(path, fmt, seed=seed, **kw)
     if fmt == "safetensors":
         from jaxserve.models.loader.hf import load_hf_model
 
@@ -105,6 +107,33 @@ def load_model(
     raise ValueError(f"unknown model format {fmt!r}")
 
 
+def is_vision_language(path: str) -> bool:
+    """Whether ``path`` holds a vision-language checkpoint (Qwen2-VL) rather than a text-only one."""
+    from jaxserve.models.loader.qwen2_vl import is_qwen2_vl_dir
+
+    return os.path.isdir(path) and is_qwen2_vl_dir(path)
+
+
+def _load_qwen2_vl(path: str, fmt: str, *, dtype, attention_fn, seed, shardings_fn, fp32_matmul_precision, progress):
+    """(Qwen2VLForConditionalGeneration, its text config). The model carries ``vl_config``, which is how the
+    engine knows to run the vision step."""
+    from jaxserve.models.loader import qwen2_vl
+
+    if fmt == "dummy":
+        from jaxserve.models.loader.dummy import fill_random
+
+        cfg = qwen2_vl.read_qwen2_vl_config(path)
+        abstract = qwen2_vl.abstract_qwen2_vl(
+            cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision
+        )
+        return fill_random(abstract, seed=seed, shardings_fn=shardings_fn, progress=progress), cfg.text
+    model, cfg = qwen2_vl.load_qwen2_vl(
+        path, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision,
+        shardings_fn=shardings_fn, progress=progress,
+    )  # fmt: skip
+    return model, cfg.text
+
+
 def read_text_config(path: str):
     """The TextModelConfig of an HF or `jaxserve convert` directory (generation_config's stop ids merged) or a
     GGUF file."""
@@ -119,7 +148,10 @@ def read_text_config(path: str):
 
     if is_orbax_checkpoint(path):
         read_metadata(path)  # a half-written or newer-format checkpoint fails here, before its config is trusted
+    if is_vision_language(path):
+        from jaxserve.models.loader.qwen2_vl import read_qwen2_vl_config
 
+        return read_qwen2_vl_config(path).text
     return read_hf_config(path)
 
 

@@ -51,7 +51,7 @@ logger = logging.getLogger("jaxserve")
 
 
 def _forward(
-    graphdef, treedef, num_rows_max, decode_only, lora_spec, params, kv_caches, tok_fields, seq_fields, prev_tokens
+    graphdef, treedef, num_rows_max, decode_only, lora_spec, params, kv_caches, tok_fields, seq_fields, prev_tokens, *mm
 ):
     """Pure step: (params, cache, packed batch) -> (logits of each sequence's last token [S, V], their argmax
     padded to [S_max], new cache).
@@ -63,6 +63,8 @@ def _forward(
     compiled for steps whose every sequence has one new token (see AttentionMetadata.decode_only).
     ``lora_spec`` (static): None, or (number of model parameters, layers) when ``params`` ends with the LoRA
     slot arrays (jaxserve.lora.slots) and ``tok_fields`` has the tokens' slot row.
+    A vision-language model's step also takes ``mm = (mm_fields [4, T] i32, image pool [P, D])``
+    (jaxserve.vision_runner); a text model's program has no such arguments.
     """
     input_ids, prev_index, md = unpack_inputs(tok_fields, seq_fields, decode_only)
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
@@ -72,10 +74,19 @@ def _forward(
         lora = lora_for_layers(params[num_model_params:], tok_fields[5], num_layers)
         params = params[:num_model_params]
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, kv_caches = model(input_ids, kv_caches, md, **({"lora": lora} if lora is not None else {}))  # [T, E]
+    lora_kw = {"lora": lora} if lora is not None else {}
+    hidden, kv_caches = model(input_ids, kv_caches, md, **lora_kw, **_mm_kwargs(mm))  # [T, E]
     logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
     greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
     return logits, greedy, kv_caches
+
+
+def _mm_kwargs(mm: tuple) -> dict:
+    """The vision-language model's extra step inputs as its keyword arguments (none for a text model)."""
+    if not mm:
+        return {}
+    fields, pool = mm  # [4, T] i32 (3 M-RoPE rows, embed_index), [P, D]
+    return dict(mrope_positions=fields[:3], image_embeds=pool, embed_index=fields[3])
 
 
 def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -136,7 +147,10 @@ class ModelRunner:
         runner_config: RunnerConfig,
         mesh: jax.sharding.Mesh | None = None,
         lora_config=None,  # jaxserve.config.LoRAConfig with enable_lora
+        mm_max_tokens_per_image: int = 16384,
     ) -> None:
+        """``mm_max_tokens_per_image``: a vision-language model's largest image in placeholder tokens (sizes
+        the image-embedding pool)."""
         self.text_config = text_config
         self.model_config = model_config
         self.cache_config = cache_config
@@ -147,7 +161,8 @@ class ModelRunner:
         tp = self.mesh.shape["model"]
         # Per-layer fp8 KV scales (static in the graphdef, so constants of the compiled steps): stored programs
         # are keyed by them too.
-        layers = getattr(getattr(model, "model", None), "layers", [])
+        vl_config = getattr(model, "vl_config", None)  # a vision-language model (Qwen2-VL)
+        layers = getattr(getattr(getattr(model, "language", model), "model", None), "layers", [])
         self.kv_scales = [(getattr(m.self_attn, "k_scale", 1.0), getattr(m.self_attn, "v_scale", 1.0)) for m in layers]
         self.graphdef, state = nnx.split(model)
         # A no-op when the loader already placed the weights (it does, via shardings_fn).
@@ -166,6 +181,13 @@ class ModelRunner:
         # The cache's dtype: the model's (auto) or an fp8 one, which halves the bytes of a block, so the same
         # memory budget holds about twice the blocks.
         self.kv_dtype = kv_cache_dtype_for(cache_config.kv_cache_dtype, self.dtype)
+
+        self._pool_rows = self._pool_bytes = 0
+        if vl_config is not None:  # the image-embedding pool is allocated after the cache is sized: reserve it
+            from jaxserve.vision_runner import pool_rows
+
+            self._pool_rows = pool_rows(scheduler_config.max_num_batched_tokens, mm_max_tokens_per_image)
+            self._pool_bytes = self._pool_rows * vl_config.text.hidden_size * self.dtype.itemsize
 
         self.max_blocks_per_seq = math.ceil(model_config.max_model_len / self.block_size)
         self.token_buckets = buckets.token_buckets(scheduler_config.max_num_batched_tokens, runner_config.platform)
@@ -210,11 +232,17 @@ class ModelRunner:
         # their own; elsewhere only the 1-token bucket, which can hold nothing but one decode, takes that path
         # (no extra program). The TPU kernel has a single path.
         self.decode_variants = runner_config.attention_backend == "pallas" and runner_config.platform in ("gpu", "cpu")
+        self.vision = None  # jaxserve.vision_runner.VisionRunner for a vision-language model
+        if vl_config is not None:
+            from jaxserve.vision_runner import VisionRunner
+
+            self.vision = VisionRunner(self, vl_config, self._pool_rows, param_shardings, batch_sharding)
+        num_mm = 2 if self.vision is not None else 0  # (mm_fields, image pool)
         self._steps = {
             decode_only: jax.jit(
                 functools.partial(_forward, self.graphdef, self._treedef, self.max_rows, decode_only, lora_spec),
                 donate_argnums=1,
-                in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 3,
+                in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * (3 + num_mm),
                 out_shardings=(logits_sharding, batch_sharding, cache_shardings),
             )
             for decode_only in (False, True)
@@ -237,7 +265,7 @@ class ModelRunner:
         s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
         per_token = 4 * (cfg.hidden_size * 8 + cfg.intermediate_size * 3 + cfg.num_attention_heads * cfg.head_dim * 4)
         logits = 4 * s * cfg.vocab_size * 4
-        return int(t * per_token + logits + (512 << 20))
+        return int(t * per_token + logits + self._pool_bytes + (512 << 20))
 
     # ------------------------------------------------------------------ step
 
@@ -306,7 +334,10 @@ class ModelRunner:
             lora_slots=self.lora.prepare([seq.lora_request for seq in sched.seqs]) if self.lora is not None else None,
         )
         sampling_md = SamplingMetadata.from_seqs(sched.seqs, s, self._history_len(sched))
-        out = self._run(x, sampling_md, decode_only)
+        mm_fields = None
+        if self.vision is not None:  # encodes (dispatches) any image this step reads that is not cached
+            mm_fields = self.vision.step_fields(sched.seqs, x.positions, x.query_start_loc)
+        out = self._run(x, sampling_md, decode_only, mm_fields)
         self._last_tokens = out.token_ids
         self.num_steps += 1
         return StepHandle(out, len(sched.seqs))
@@ -322,17 +353,25 @@ class ModelRunner:
         longest = max(len(seq.history) for seq in sched.seqs)
         return min(1 << max(4, (longest - 1).bit_length()), self.model_config.max_model_len)
 
-    def _run(self, x: StepInputs, sampling_md: SamplingMetadata, decode_only: bool = False) -> SamplerOutput:
+    def _mm_args(self, mm_fields: np.ndarray | None) -> tuple:
+        return () if self.vision is None else (mm_fields, self.vision.pool)
+
+    def _run(
+        self, x: StepInputs, sampling_md: SamplingMetadata, decode_only: bool = False, mm_fields=None
+    ) -> SamplerOutput:
         if self._eager_model is not None:
             md = self._metadata(x)
             prev = jnp.asarray(x.prev_index)
             input_ids = jnp.where(prev >= 0, self._last_tokens[jnp.maximum(prev, 0)], jnp.asarray(x.input_ids))
-            hidden, self.kv_caches = self._eager_model(input_ids, self.kv_caches, md)
+            mm = _mm_kwargs(tuple(jnp.asarray(a) for a in self._mm_args(mm_fields)))
+            hidden, self.kv_caches = self._eager_model(input_ids, self.kv_caches, md, **mm)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
             return _sample_padded(logits, sampling_md, self.max_rows)
         key = (x.input_ids.shape[0], x.block_tables.shape[1], decode_only)
         step = self._programs.get(key, self._steps[decode_only])
-        logits, greedy, self.kv_caches = step(self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens)
+        logits, greedy, self.kv_caches = step(
+            self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, *self._mm_args(mm_fields)
+        )
         if sampling_md.plain_greedy:
             return SamplerOutput(token_ids=greedy)  # the step's own argmax: no sampler program to launch
         return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md)
@@ -412,6 +451,7 @@ class ModelRunner:
             "kv_scales": self.kv_scales,
             "max_rows": self.max_rows,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
+            "image_pool_rows": self._pool_rows,  # a vision-language step's pool argument has this many rows
             "runner": repr(self.runner_config),
             # Not the device ids: a data-parallel replica on other devices of the same kind loads the same
             # programs onto its own devices.
@@ -444,7 +484,8 @@ class ModelRunner:
         x = _dummy_inputs(t, s, b, self.num_blocks * self.block_size)
         if self.lora is not None:
             x.lora_slots = np.zeros(t, np.int32)
-        return self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens
+        mm = self._mm_args(self.vision.dummy_fields(t)) if self.vision is not None else ()
+        return self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, *mm
 
 
 def _sampler_key(md: SamplingMetadata) -> tuple:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -53,6 +53,7 @@ class Request:
         seed: int = 0,
         arrival_time: Optional[float] = None,
         lora_request=None,  # jaxserve.lora.LoRARequest, or None for the base model
+        mm: Any = None,
     ) -> None:
         self.request_id = request_id
         self.lora_request = lora_request
@@ -77,6 +78,9 @@ class Request:
         # Speculative decoding: proposed next tokens for the next step to verify (set by the proposer after
         # each step, used up when scheduled).
         self.spec_token_ids: list[int] = []
+        # Images of a vision-language prompt (jaxserve.multimodal.MultiModalInputs: content hashes, pixels,
+        # placeholder offsets, M-RoPE rows), or None for text. Read by the runner and the prefix-cache hashes.
+        self.mm = mm
 
     @property
     def lora_int_id(self) -> int:

@@ -333,6 +333,7 @@ class Scheduler:
             prev_row=request.pending_row if num_placeholders else -1,
             num_spec_tokens=len(spec),
             lora_request=request.lora_request,
+            mm=request.mm,
         )
         request.num_computed_tokens = end + len(spec)
         if seq.sample:

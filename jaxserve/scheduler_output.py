@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Optional
+from typing import Any, Optional
 
 from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
@@ -34,6 +33,8 @@ class ScheduledSeq:
     # of the sequence; the step scores each of them and returns the accepted ones plus one more token.
     num_spec_tokens: int = 0
     lora_request: Optional[LoRARequest] = None  # the adapter this sequence runs with (None: the base model)
+    # A vision-language request's images and M-RoPE rows (jaxserve.multimodal.MultiModalInputs), or None.
+    mm: Any = None
 
 
 @dataclasses.dataclass

@@ -141,15 +141,41 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str
+    detail: Optional[str] = None  # OpenAI's "auto" | "low" | "high": accepted, not used
+
+
+class ImageURLPart(_Request):
+    """An image: a data: URL (base64 PNG/JPEG), or a local file under --allowed-local-media-path."""
+
+    type: Literal["image_url"]
+    image_url: Union[ImageURL, str]
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = None
+    content: Optional[Union[str, list[Union[TextPart, ImageURLPart]]]] = None
     name: Optional[str] = None
 
+    @property
+    def image_urls(self) -> list[str]:
+        return [p.url for p in self.content if isinstance(p, ImageURLPart)] if isinstance(self.content, list) else []
+
     def as_template_dict(self) -> dict[str, Any]:
-        """The dict a chat template expects; text parts are joined, "developer" is OpenAI's new "system"."""
+        """The dict a chat template expects; text parts are joined, "developer" is OpenAI's new "system". With
+        images the content stays a list of parts, each image as {"type": "image"} (vision-language templates)."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and self.image_urls:
+            content = [
+                {"type": "image"} if isinstance(part, ImageURLPart) else {"type": "text", "text": part.text}
+                for part in content
+            ]
+        elif isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         msg: dict[str, Any] = {"role": role, "content": content or ""}

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import jinja2
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.llm import render_chat
+from jaxserve.media import load_image
 
 from jaxserve.server.deltas import DeltaTracker
-from jaxserve.server.errors import bad_request, from_value_error
+from jaxserve.server.errors import APIError, bad_request, from_value_error
 from jaxserve.server.logprobs import chat_logprobs
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.protocol_responses import (
@@ -54,12 +56,35 @@ def render_messages(state: ServerState, body) -> list[int]:
         raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from None
 
 
+async def with_images(state: ServerState, body, prompt: list[int]) -> tuple[list[int], Any]:
+    """The messages' image_url parts decoded and preprocessed: (expanded prompt ids, MultiModalInputs or None).
+    A bad image, or images for a text-only model, is a 400."""
+    urls = [url for m in body.messages for url in m.image_urls]
+    processor = state.mm_processor
+    if not urls and processor is None:
+        return prompt, None
+    if urls and processor is None:
+        raise bad_request(
+            f"the model {state.model_name} is text-only and cannot take image_url parts; send text only",
+            param="messages",
+        )
+
+    def decode_and_process():
+        images = [load_image(url, state.allowed_local_media_path) for url in urls]
+        return processor.process(prompt, images)
+
+    try:  # decoding and resizing take milliseconds an image: off the event loop
+        return await run_in_threadpool(decode_and_process)
+    except ValueError as e:  # MediaError included: the message names the problem and what works
+        raise APIError(400, f"messages: {e}", param="messages", code="invalid_image" if urls else None) from None
+
+
 async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, ChatCompletionRequest)
     model = state.resolve_model(body.model)
     _check_unsupported(body)
-    prompt = render_messages(state, body)
+    prompt, mm = await with_images(state, body, render_messages(state, body))
     max_tokens = body.requested_max_tokens
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     state.check_fits(len(prompt), max_tokens, "messages", tokens_param)
@@ -69,7 +94,7 @@ async def create_chat_completion(request: Request) -> Response:
     except ValueError as e:
         raise from_value_error(e) from None
     request_id = random_id("chatcmpl")
-    streams = await state.submit(request_id, [prompt], params, model)
+    streams = await state.submit(request_id, [prompt], params, model, mm=mm)
     if body.stream:
         events = _stream(state, body, model, request_id, streams, len(prompt), top_k)
         return SSEResponse(guard_stream(events, what="chat", request_id=request_id, engine=state.engine, streams=streams))

@@ -38,6 +38,10 @@ class ServerState:
     max_model_len: int
     api_key: Optional[str] = None
     log_requests: bool = True
+    # Vision-language models: the engine's image processor (None for text models), and where image_url parts
+    # may name local files (None: nowhere).
+    mm_processor: Any = None
+    allowed_local_media_path: Optional[str] = None
     created: int = dataclasses.field(default_factory=now_s)
     # LoRA adapters served under their own model names (--lora-modules, or loaded at run time), by name.
     lora_modules: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
@@ -56,6 +60,8 @@ class ServerState:
             model_root=core.model_config.model,
             max_model_len=core.model_config.max_model_len,
             api_key=api_key,
+            mm_processor=getattr(core, "mm_processor", None),
+            allowed_local_media_path=getattr(getattr(core, "args", None), "allowed_local_media_path", None),
             **kw,
         )
 
@@ -105,17 +111,24 @@ class ServerState:
             )
 
     async def submit(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams, model: Optional[str] = None
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        model: Optional[str] = None,
+        mm: Any = None,
     ) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (on failure the ones added are aborted). ``model``: the
-        resolved model name, which selects a LoRA adapter when it names one."""
+        resolved model name, which selects a LoRA adapter when it names one. ``mm``: one prompt's preprocessed
+        images (jaxserve.multimodal.MultiModalInputs), its ids already expanded."""
         streams: list[RequestStream] = []
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         lora = self.lora_request(model) if model is not None else None
         lora_kw = {"lora_request": lora} if lora is not None else {}
         try:
             for rid, ids_ in zip(ids, prompts):
-                streams.append(await self.engine.add_request(rid, {"prompt_token_ids": ids_}, params, **lora_kw))
+                prompt = {"prompt_token_ids": ids_} if mm is None else {"prompt_token_ids": ids_, "mm_inputs": mm}
+                streams.append(await self.engine.add_request(rid, prompt, params, **lora_kw))
         except BaseException as e:
             self.engine.abort([s.request_id for s in streams])
             raise engine_error(e) from e

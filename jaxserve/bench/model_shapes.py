@@ -43,7 +43,23 @@ SHAPES = {
         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=128000, eos_token_id=128001, hidden_act="silu", torch_dtype="bfloat16",
     ),
+    # Qwen2-VL-7B-Instruct (transformers-4 layout, as released): `jaxserve bench vl` serves it with dummy weights.
+    "qwen2-vl-7b": dict(
+        architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl", hidden_size=3584,
+        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, hidden_act="silu",
+        torch_dtype="bfloat16", use_sliding_window=False, sliding_window=32768, max_window_layers=28,
+        rope_scaling=dict(type="mrope", mrope_section=[16, 24, 24]),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        vision_config=dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, in_chans=3, hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+    ),
 }
+
+# Vision-language shapes: the tokenizer's special tokens at the config's ids (the prompt's image placeholders).
+_VISION_SPECIALS = (("vision_start_token_id", "<|vision_start|>"), ("image_token_id", "<|image_pad|>"),
+                    ("vision_end_token_id", "<|vision_end|>"))
 
 
 def write_shape(name: str, out_dir: str, num_hidden_layers: int | None = None, tokenizer: bool = True) -> str:
@@ -58,12 +74,16 @@ def write_shape(name: str, out_dir: str, num_hidden_layers: int | None = None, t
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     if tokenizer and "bos_token_id" in config:  # an encoder shape gets none: its benches use token ids
-        write_word_tokenizer(out_dir, config["vocab_size"], config["bos_token_id"], config["eos_token_id"])
+        extra = {config[k]: text for k, text in _VISION_SPECIALS if k in config}
+        write_word_tokenizer(out_dir, config["vocab_size"], config["bos_token_id"], config["eos_token_id"], extra)
     return out_dir
 
 
-def write_word_tokenizer(out_dir: str, vocab_size: int, bos_id: int, eos_id: int) -> None:
-    """One token per space-separated word ("▁the", ..., "▁w1234"), SentencePiece-style spaces."""
+def write_word_tokenizer(
+    out_dir: str, vocab_size: int, bos_id: int, eos_id: int, extra_special: dict[int, str] | None = None
+) -> None:
+    """One token per space-separated word ("▁the", ..., "▁w1234"), SentencePiece-style spaces;
+    ``extra_special`` (id -> text) are further special tokens, matched whole in text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,7 +91,7 @@ def write_word_tokenizer(out_dir: str, vocab_size: int, bos_id: int, eos_id: int
 
     words = list(dict.fromkeys(_WORDS))
     unk_id = min(set(range(3)) - {bos_id, eos_id})
-    special = {unk_id: "<unk>", bos_id: "<|begin_of_text|>", eos_id: "<|end_of_text|>"}
+    special = {unk_id: "<unk>", bos_id: "<|begin_of_text|>", eos_id: "<|end_of_text|>", **(extra_special or {})}
     vocab, k = {}, 0
     for i in range(vocab_size):
         if i in special:
@@ -82,8 +102,11 @@ def write_word_tokenizer(out_dir: str, vocab_size: int, bos_id: int, eos_id: int
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[bos_id], eos_token=special[eos_id],
-                            unk_token="<unk>").save_pretrained(out_dir)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special[bos_id], eos_token=special[eos_id],
+                                   unk_token="<unk>")
+    if extra_special:
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special.values())})
+    fast.save_pretrained(out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,6 +36,14 @@ def load_dummy_model(
     abstract = abstract_model(
         cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision
     )
+    return fill_random(abstract, seed=seed, shardings_fn=shardings_fn, progress=progress)
+
+
+def fill_random(
+    abstract: nnx.Module, *, seed: int = 0, shardings_fn: Callable[[nnx.Module], Any] | None = None,
+    progress: bool = False,
+) -> nnx.Module:
+    """``abstract`` (shapes only) with every parameter drawn as load_dummy_model says."""
     graphdef, abstract_state = nnx.split(abstract)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     if shardings_fn is not None:
@@ -47,7 +55,8 @@ def load_dummy_model(
     bar = weights_bar([leaf for _, leaf in leaves], progress)
     for i, ((path, leaf), sharding) in enumerate(zip(leaves, sharding_leaves)):
         name = jax.tree_util.keystr(path)
-        kind = "ones" if "norm" in name and "scale" in name else ("zeros" if "bias" in name else "normal")
+        is_norm = "norm" in name or "ln_q" in name  # ln_q: the vision merger's LayerNorm
+        kind = "ones" if is_norm and "scale" in name else ("zeros" if "bias" in name else "normal")
         arrays.append(_generator(kind, leaf.shape, jnp.dtype(leaf.dtype), sharding)(jax.random.fold_in(root, i)))
         bar.update(arrays[-1].nbytes)
     bar.close()

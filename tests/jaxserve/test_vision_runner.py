@@ -1,0 +1,83 @@
+"""The encoder cache's bookkeeping and a step's mm_fields, host side only (the vision step itself is stubbed):
+pool rows per token across a chunk boundary, M-RoPE rows before and after the prompt, eviction order (idle
+images first, in LRU order; never one the step reads), and the error when one step's images do not fit."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve.multimodal import ImageItem, MultiModalInputs, _runs, parse_limit_mm_per_prompt
+from jaxserve.vision_runner import VisionRunner, patch_bucket, pool_rows
+
+
+def _runner(num_rows: int) -> VisionRunner:
+    v = object.__new__(VisionRunner)
+    v.num_rows, v.entries, v.free_rows = num_rows, collections.OrderedDict(), list(range(num_rows - 1, -1, -1))
+    v._pinned, v.num_encoded, v.num_cache_hits = set(), 0, 0
+    v.encoded = []
+    v._encode_image = lambda img, rows: v.encoded.append(img.hash)  # no device: record the miss
+    return v
+
+
+def _img(name: str, offset: int, n: int) -> ImageItem:
+    return ImageItem(name.encode() * 32, np.zeros((4 * n, 8), np.float32), (1, 2, 2 * n), offset, n)
+
+
+@dataclasses.dataclass
+class _Seq:
+    req_id: str
+    token_ids: list
+    start_pos: int
+    mm: object
+
+
+def test_fields_across_a_chunk_boundary_and_past_the_prompt():
+    img = _img("a", 2, 4)  # prompt of 8 tokens: text 0-1, image 2-5, text 6-7
+    rope = np.stack([np.arange(8), np.arange(8) + 10, np.arange(8) + 20]).astype(np.int32)
+    mm = MultiModalInputs((img,), rope, mrope_delta=-3)
+    v = _runner(16)
+    # Step 1: tokens 0-3 of the request (the chunk ends inside the image), after a 2-token text request.
+    pos = np.array([0, 1, 0, 1, 2, 3, 0, 0], np.int32)
+    f1 = v.step_fields([_Seq("t", [5, 6], 0, None), _Seq("r", [0] * 4, 0, mm)], pos, np.array([0, 2, 6]))
+    rows = v.entries[img.hash].rows
+    assert f1[3].tolist() == [-1, -1, -1, -1, rows[0], rows[1], -1, -1]
+    assert f1[:3, 2:6].tolist() == rope[:, :4].tolist() and f1[:3, :2].tolist() == [[0, 1]] * 3
+    assert v.entries[img.hash].holders == {"r"}  # still has image tokens to compute
+    # Step 2: tokens 4-7 (the rest of the image), then a decode at position 8: 8 + delta on all rows.
+    f2 = v.step_fields([_Seq("r", [0] * 4, 4, mm)], np.array([4, 5, 6, 7], np.int32), np.array([0, 4]))
+    assert f2[3].tolist() == [rows[2], rows[3], -1, -1] and v.encoded == [img.hash]  # encoded once
+    assert not v.entries[img.hash].holders
+    f3 = v.step_fields([_Seq("r", [0], 8, mm)], np.array([8], np.int32), np.array([0, 1]))
+    assert f3[:, 0].tolist() == [5, 5, 5, -1]
+
+
+def test_eviction_prefers_idle_lru_and_never_the_steps_own():
+    v = _runner(8)
+    a, b, c = _img("a", 0, 4), _img("b", 0, 4), _img("c", 0, 4)
+    v._lookup(a)
+    v._lookup(b)
+    v.entries[a.hash].holders.add("r1")  # a is still wanted; b is idle
+    v._pinned = set()
+    v._lookup(c)
+    assert list(v.entries) == [a.hash, c.hash]  # b went, though a is older
+    v._pinned = set()
+    v.entries[c.hash].holders.add("r2")
+    v._lookup(b)  # nothing idle: the least recent wanted one (a) goes; it would be encoded again on need
+    assert list(v.entries) == [c.hash, b.hash]
+    v._lookup(c)  # a hit, in the same step as b
+    with pytest.raises(RuntimeError, match="encoder cache"):
+        v._lookup(_img("d", 0, 4))  # c and b are both read by this step
+    assert v.num_cache_hits == 1 and v.encoded == [a.hash, b.hash, c.hash, b.hash]
+
+
+def test_small_helpers():
+    assert [patch_bucket(n) for n in (4, 64, 65, 1024)] == [64, 64, 128, 1024]
+    assert pool_rows(2048, 16384) == 32768 and pool_rows(16, 4) == 1024
+    assert _runs([1, 7, 7, 2, 7], 7) == [(1, 2), (4, 1)]
+    assert parse_limit_mm_per_prompt("image=3") == {"image": 3} == parse_limit_mm_per_prompt('{"image": 3}')
+    with pytest.raises(ValueError, match="only 'image'"):
+        parse_limit_mm_per_prompt("video=1")
