@@ -1,0 +1,147 @@
+"""One jitted program per draft round: the catch-up chunk, then k - 1 greedy decode steps, all on the device.
+
+A draft round used to be k host round-trips through the draft's ModelRunner (build the batch, dispatch, and
+for the first step read back). Here the catch-up batch (each request's tokens from its valid length to its
+last known token: usually the 1..k+1 tokens accepted last round) runs as an ordinary ragged step whose argmax
+is proposal 0; then k - 1 one-token decode steps follow inside the same program, each feeding the previous
+step's argmax at the next position. Their positions, slots and context lengths are computed on the device
+from the catch-up's per-sequence ``seq_lens`` and block tables, so the host builds one batch and reads back
+one [S, k] array per round.
+
+The decode steps are unrolled (a Python loop, k is static) by default: on GPU, XLA captures an unrolled
+program's kernels into command buffers, not those of a while loop's body. ``JAXSERVE_DRAFT_LOOP=fori``
+compiles a ``lax.fori_loop`` instead (a smaller program that compiles faster; measure both).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model_runner import unpack_inputs
+from jaxserve.pallas_kernels.metadata import AttentionMetadata
+from jaxserve.sampler import argmax
+
+
+def unrolled() -> bool:
+    value = os.environ.get("JAXSERVE_DRAFT_LOOP", "unroll")
+    if value not in ("unroll", "fori"):
+        raise ValueError(f"JAXSERVE_DRAFT_LOOP={value!r} is not one of 'unroll', 'fori'")
+    return value == "unroll"
+
+
+def decode_metadata(md: AttentionMetadata, offset: jax.Array, block_size: int, num_slots: int) -> AttentionMetadata:
+    """One decode token per real sequence at position ``seq_lens + offset`` (``md`` is the catch-up's; its real
+    sequences come first and have seq_lens > 0). Padding sequences get an empty query range, their token a
+    dropped KV write, as AttentionMetadata's padding rules ask. T = S."""
+    s = md.seq_lens.shape[0]
+    real = md.seq_lens > 0  # [S]
+    num_real = real.sum()
+    rows = jnp.arange(s, dtype=jnp.int32)  # [S]
+    pos = jnp.where(real, md.seq_lens + offset, 0)  # [S]
+    block = jnp.take_along_axis(md.block_tables, (pos // block_size)[:, None], axis=1)[:, 0]  # [S]
+    return AttentionMetadata(
+        positions=pos,
+        slot_mapping=jnp.where(real, block * block_size + pos % block_size, num_slots),
+        token_seq_ids=jnp.where(real, rows, s - 1),
+        query_start_loc=jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), num_real),
+        seq_lens=jnp.where(real, pos + 1, 0),
+        block_tables=md.block_tables,
+        logits_indices=rows,
+        decode_only=True,
+    )
+
+
+def propose(graphdef, treedef, k: int, block_size: int, num_slots: int, unroll: bool, params, kv_caches, tok, seq):
+    """(params, draft cache [donated], packed catch-up batch) -> (proposals [S, k] i32, new cache).
+
+    The catch-up batch's block tables must already cover positions up to seq_lens + k - 2 (the decode steps
+    write there)."""
+    input_ids, _, md = unpack_inputs(tok, seq)
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    hidden, kv_caches = model(input_ids, kv_caches, md)  # [T, E]
+    first = argmax(model.compute_logits(hidden[md.logits_indices]))  # [S]: proposal 0
+    out = jnp.zeros((first.shape[0], k), jnp.int32).at[:, 0].set(first)  # [S, k]
+
+    def step(j, carry):
+        # Feed proposal j - 1 at position N + j - 1; its argmax is proposal j.
+        out, kv = carry
+        dmd = decode_metadata(md, j - 1, block_size, num_slots)
+        ids = jax.lax.dynamic_index_in_dim(out, j - 1, axis=1, keepdims=False)  # [S]
+        h, kv = model(ids, kv, dmd)
+        nxt = argmax(model.compute_logits(h))  # [S]
+        return jax.lax.dynamic_update_index_in_dim(out, nxt, j, axis=1), kv
+
+    if k > 1:
+        if unroll:
+            carry = (out, kv_caches)
+            for j in range(1, k):
+                carry = step(j, carry)
+            out, kv_caches = carry
+        else:
+            out, kv_caches = jax.lax.fori_loop(1, k, step, (out, kv_caches))
+    return out, kv_caches
+
+
+class DraftPrograms:
+    """The draft's fused proposal programs, one per catch-up shape (T, B), over its ModelRunner's weights and
+    cache (donated in, handed back to the runner). Start-up shapes compile with the rest (``warmup``)."""
+
+    def __init__(self, runner, k: int) -> None:
+        import functools
+
+        self.runner = runner
+        self.k = k
+        num_slots = runner.num_blocks * runner.block_size
+        fn = functools.partial(propose, runner.graphdef, runner._treedef, k, runner.block_size, num_slots, unrolled())
+        self._jit = jax.jit(fn, donate_argnums=1)
+        self._programs: dict[tuple[int, int], object] = {}  # (T, B) -> compiled program
+        self.num_lazy_compiles = 0
+
+    def shapes(self) -> list[tuple[int, int]]:
+        from jaxserve import buckets
+
+        r = self.runner
+        return buckets.startup_shapes(r.token_buckets, r.width_buckets, r.runner_config.precompile)
+
+    def warmup(self, progress: bool = False) -> float:
+        """Compile the start-up shapes side by side (XLA compiles without the GIL); returns seconds."""
+        import concurrent.futures
+        import time
+
+        from jaxserve import buckets
+        from jaxserve.model_runner import _dummy_inputs, pack_inputs
+
+        start, r = time.perf_counter(), self.runner
+        lowered = {}
+        for t, b in self.shapes():
+            s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
+            x = _dummy_inputs(t, s, b, r.num_blocks * r.block_size)
+            lowered[(t, b)] = self._jit.lower(r.params, r.kv_caches, *pack_inputs(x))
+        workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
+            done = {shape: pool.submit(low.compile) for shape, low in lowered.items()}
+            for shape, job in done.items():
+                self._programs[shape] = job.result()
+        return time.perf_counter() - start
+
+    def __call__(self, x) -> jax.Array:
+        """Run one round on packed StepInputs ``x``; returns proposals [S, k] on the device."""
+        import logging
+
+        from jaxserve.model_runner import pack_inputs
+
+        r = self.runner
+        key = (x.input_ids.shape[0], x.block_tables.shape[1])
+        program = self._programs.get(key)
+        if program is None:
+            logging.getLogger("jaxserve").info("compiling draft proposal program tokens=%d ctx=%d on first use",
+                                               key[0], key[1] * r.block_size)
+            self.num_lazy_compiles += 1
+            program = self._programs[key] = self._jit.lower(r.params, r.kv_caches, *pack_inputs(x)).compile()
+        proposals, r.kv_caches = program(r.params, r.kv_caches, *pack_inputs(x))
+        r.num_steps += 1
+        return proposals
