@@ -181,7 +181,12 @@ def _speculator(args: EngineArgs, runner: Any, text_config: Any, platform: str, 
         from jaxserve.spec_decode.draft_model import DraftProposer
 
         draft = DraftProposer.build(config, args, runner, text_config, mesh, progress)
-    return Speculator(config, runner, draft)
+    speculator = Speculator(config, runner, draft)
+    if not args.enforce_eager:
+        seconds = speculator.verifier.warmup()
+        logger.info("speculative decoding (%s, k=%d): %d verify step shapes compiled in %.1fs", config.method,
+                    config.num_speculative_tokens, len(speculator.verifier.startup_shapes()), seconds)
+    return speculator
 
 
 def _tokenizer_or_none(path: str, fmt: str, tokenizer: Optional[str]):
