@@ -49,7 +49,9 @@ from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger("jaxserve")
 
 
-def _forward(graphdef, treedef, num_rows_max, decode_only, params, kv_caches, tok_fields, seq_fields, prev_tokens):
+def _forward(
+    graphdef, treedef, num_rows_max, decode_only, aux_layers, params, kv_caches, tok_fields, seq_fields, prev_tokens
+):
     """Pure step: (params, cache, packed batch) -> (logits of each sequence's last token [S, V], their argmax
     padded to [S_max], new cache).
 
@@ -58,14 +60,27 @@ def _forward(graphdef, treedef, num_rows_max, decode_only, params, kv_caches, to
     ``prev_tokens[prev_index]`` ([S_max] i32, still on the device). The argmax is the whole sampler of a plain
     greedy batch, which then needs no second program (``_run``). ``decode_only`` (static) marks the variant
     compiled for steps whose every sequence has one new token (see AttentionMetadata.decode_only).
+    ``aux_layers`` (static; EAGLE only, else ()): see ``run_model``.
     """
     input_ids, prev_index, md = unpack_inputs(tok_fields, seq_fields, decode_only)
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, kv_caches = model(input_ids, kv_caches, md)  # [T, E]
+    hidden, kv_caches = run_model(model, input_ids, kv_caches, md, aux_layers)  # [T, E]
     logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
     greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
     return logits, greedy, kv_caches
+
+
+def run_model(model, input_ids, kv_caches: list, md: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
+    """The model over the step. With ``aux_layers`` (EAGLE speculation), ``kv_caches`` ends with one more array,
+    the hidden-state store [num_slots, W], and the hidden states the EAGLE head reads are written to it at each
+    token's KV slot, beside its KV: the head later gathers them per position through the same block tables
+    (jaxserve.spec_decode.eagle). -> (final hidden [T, E], caches)."""
+    if not aux_layers:
+        return model(input_ids, kv_caches, md)
+    hidden, layer_caches, aux = model(input_ids, kv_caches[:-1], md, aux_layers=aux_layers)  # aux [T, W]
+    store = kv_caches[-1].at[md.slot_mapping].set(aux.astype(kv_caches[-1].dtype), mode="drop")
+    return hidden, [*layer_caches, store]
 
 
 def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -122,7 +137,10 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         runner_config: RunnerConfig,
         mesh: jax.sharding.Mesh | None = None,
+        aux_hidden: tuple[tuple[int, ...], int] | None = None,
     ) -> None:
+        """``aux_hidden`` (EAGLE speculation only): (the target's layers an EAGLE head reads, their width W): the
+        steps then also write those hidden states to a store [num_slots, W] kept after the layer caches."""
         self.text_config = text_config
         self.model_config = model_config
         self.cache_config = cache_config
@@ -173,6 +191,12 @@ class ModelRunner:
         )
         param_shardings = [x.sharding for x in self.params]
         cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
+        self.aux_layers = aux_hidden[0] if aux_hidden else ()
+        if aux_hidden:
+            store_sharding = sharding.replicated(self.mesh)
+            self.kv_caches.append(jax.device_put(
+                jnp.zeros((self.num_blocks * self.block_size, aux_hidden[1]), self.dtype), store_sharding))
+            cache_shardings = [*cache_shardings, store_sharding]
         batch_sharding = sharding.replicated(self.mesh)  # input ids and the whole AttentionMetadata
         logits_sharding = self._logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
         # Every step's samples are padded to the largest S bucket: the next step reads them in one shape.
@@ -185,7 +209,7 @@ class ModelRunner:
         self.decode_variants = runner_config.attention_backend == "pallas" and runner_config.platform in ("gpu", "cpu")
         self._steps = {
             decode_only: jax.jit(
-                functools.partial(_forward, self.graphdef, self._treedef, self.max_rows, decode_only),
+                functools.partial(_forward, self.graphdef, self._treedef, self.max_rows, decode_only, self.aux_layers),
                 donate_argnums=1,
                 in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * 3,
                 out_shardings=(logits_sharding, batch_sharding, cache_shardings),
@@ -295,7 +319,7 @@ class ModelRunner:
             md = self._metadata(x)
             prev = jnp.asarray(x.prev_index)
             input_ids = jnp.where(prev >= 0, self._last_tokens[jnp.maximum(prev, 0)], jnp.asarray(x.input_ids))
-            hidden, self.kv_caches = self._eager_model(input_ids, self.kv_caches, md)
+            hidden, self.kv_caches = run_model(self._eager_model, input_ids, self.kv_caches, md, self.aux_layers)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
             return _sample_padded(logits, sampling_md, self.max_rows)
         key = (x.input_ids.shape[0], x.block_tables.shape[1], decode_only)
@@ -378,6 +402,7 @@ class ModelRunner:
             "num_blocks": self.num_blocks,
             "kv_dtype": self.kv_dtype.name,  # a bf16-cache program must never run over an fp8 cache
             "kv_scales": self.kv_scales,
+            "aux_layers": self.aux_layers,  # EAGLE: the steps also write the hidden-state store
             "max_rows": self.max_rows,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "runner": repr(self.runner_config),

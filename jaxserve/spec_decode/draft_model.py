@@ -24,11 +24,10 @@ import logging
 import jax
 import numpy as np
 
-from jaxserve.batch_builder import build_step_inputs
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import ScheduledSeq, SchedulerOutput
-from jaxserve.spec_decode.draft_program import DraftPrograms
+from jaxserve.spec_decode.draft_program import DraftPrograms, round_inputs
 
 logger = logging.getLogger("jaxserve")
 
@@ -97,7 +96,7 @@ class DraftProposer:
         runner = ModelRunner(model, text_config, draft_mc, cache, sc, rc, mesh=mesh)
         runner.warmup(progress=progress)  # its plain steps: the chunks of a long catch-up (a prompt)
         proposer = cls(runner, sc.max_num_batched_tokens, sc.max_num_seqs, config.num_speculative_tokens)
-        seconds = proposer.programs.warmup(progress)
+        seconds = proposer.programs.warmup()
         logger.info("draft model %s: %d KV blocks (the target's layout), %d proposal programs compiled in %.1fs",
                     path, runner.num_blocks, len(proposer.programs.shapes()), seconds)
         return proposer
@@ -121,7 +120,9 @@ class DraftProposer:
         cursor = self._prefill_until_fits(todo)
         # One program: every request's remaining catch-up, then k - 1 decode steps on the device; one read-back.
         seqs = [_seq(r, r.all_token_ids[cursor[i]:], cursor[i], blocks) for i, (r, _, blocks) in enumerate(todo)]
-        proposals = np.asarray(jax.device_get(self.programs(self._inputs(seqs, todo, k))))[: len(todo)]  # [n, k]
+        ends = [r.num_tokens + k - 1 for r, _, _ in todo]  # positions the round writes, per request
+        x = round_inputs(seqs, ends, [blocks for _, _, blocks in todo], self.runner, self.max_seqs)
+        proposals = np.asarray(jax.device_get(self.programs(x)))[: len(todo)]  # [n, k]
         for (r, _, _), row in zip(todo, proposals.tolist()):
             r.spec_token_ids = row
             self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens, row[:-1])
@@ -142,22 +143,6 @@ class DraftProposer:
                 budget -= take
             self._dispatch(seqs)
         return cursor
-
-    def _inputs(self, seqs: list[ScheduledSeq], todo, k: int):
-        """The fused program's batch: the catch-up, with block tables wide enough for the k - 1 decode steps."""
-        from jaxserve import buckets
-
-        rn = self.runner
-        t = buckets.pick(rn.token_buckets, sum(len(s.token_ids) for s in seqs))
-        s = buckets.seq_bucket_for(t, self.max_seqs)
-        ends = [r.num_tokens + k - 1 for r, _, _ in todo]  # positions the round writes, per request
-        b = buckets.pick(rn.width_buckets, -(-max(ends) // rn.block_size))
-        x = build_step_inputs(seqs, num_tokens_padded=t, num_seqs_padded=s, block_width=b,
-                              block_size=rn.block_size, num_blocks=rn.num_blocks)
-        for i, ((_, _, blocks), end) in enumerate(zip(todo, ends)):
-            n = -(-end // rn.block_size)
-            x.block_tables[i, :n] = blocks[:n]
-        return x
 
     def _valid(self, r: Request) -> int:
         """How many leading positions of the draft cache hold this request's real tokens now."""

@@ -86,20 +86,42 @@ def propose(graphdef, treedef, k: int, block_size: int, num_slots: int, unroll: 
     return out, kv_caches
 
 
-class DraftPrograms:
-    """The draft's fused proposal programs, one per catch-up shape (T, B), over its ModelRunner's weights and
-    cache (donated in, handed back to the runner). Start-up shapes compile with the rest (``warmup``)."""
+def round_inputs(seqs, ends: list[int], block_ids: list[list[int]], runner, max_seqs: int):
+    """A round's catch-up batch, padded to ``runner``'s buckets, with block tables wide enough for the decode
+    steps too: sequence i writes positions up to ``ends[i] - 1``. -> StepInputs."""
+    from jaxserve import buckets
+    from jaxserve.batch_builder import build_step_inputs
 
-    def __init__(self, runner, k: int) -> None:
-        import functools
+    t = buckets.pick(runner.token_buckets, sum(len(s.token_ids) for s in seqs))
+    s = buckets.seq_bucket_for(t, max_seqs)
+    b = buckets.pick(runner.width_buckets, -(-max(ends) // runner.block_size))
+    x = build_step_inputs(seqs, num_tokens_padded=t, num_seqs_padded=s, block_width=b,
+                          block_size=runner.block_size, num_blocks=runner.num_blocks)
+    for i, (blocks, end) in enumerate(zip(block_ids, ends)):
+        n = -(-end // runner.block_size)
+        x.block_tables[i, :n] = blocks[:n]
+    return x
 
-        self.runner = runner
+
+class RoundPrograms:
+    """Compiled round programs, one per catch-up shape (T, B) of ``runner``'s buckets; the start-up shapes compile
+    with the rest (``warmup``). A subclass says what comes before the batch (``_lead``) and where the returned
+    cache goes (``_keep``)."""
+
+    name = "proposal"
+
+    def __init__(self, runner, k: int, jitted) -> None:
+        self.runner = runner  # whose buckets (and, for a draft model, weights and cache) the rounds use
         self.k = k
-        num_slots = runner.num_blocks * runner.block_size
-        fn = functools.partial(propose, runner.graphdef, runner._treedef, k, runner.block_size, num_slots, unrolled())
-        self._jit = jax.jit(fn, donate_argnums=1)
+        self._jit = jitted  # (*lead, tok [5, T], seq [S, 3 + B]) -> (proposals [S, k], cache)
         self._programs: dict[tuple[int, int], object] = {}  # (T, B) -> compiled program
         self.num_lazy_compiles = 0
+
+    def _lead(self) -> tuple:
+        raise NotImplementedError
+
+    def _keep(self, cache) -> None:
+        raise NotImplementedError
 
     def shapes(self) -> list[tuple[int, int]]:
         from jaxserve import buckets
@@ -107,7 +129,7 @@ class DraftPrograms:
         r = self.runner
         return buckets.startup_shapes(r.token_buckets, r.width_buckets, r.runner_config.precompile)
 
-    def warmup(self, progress: bool = False) -> float:
+    def warmup(self) -> float:
         """Compile the start-up shapes side by side (XLA compiles without the GIL); returns seconds."""
         import concurrent.futures
         import time
@@ -120,7 +142,7 @@ class DraftPrograms:
         for t, b in self.shapes():
             s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
             x = _dummy_inputs(t, s, b, r.num_blocks * r.block_size)
-            lowered[(t, b)] = self._jit.lower(r.params, r.kv_caches, *pack_inputs(x))
+            lowered[(t, b)] = self._jit.lower(*self._lead(), *pack_inputs(x))
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
             done = {shape: pool.submit(low.compile) for shape, low in lowered.items()}
@@ -129,19 +151,39 @@ class DraftPrograms:
         return time.perf_counter() - start
 
     def __call__(self, x) -> jax.Array:
-        """Run one round on packed StepInputs ``x``; returns proposals [S, k] on the device."""
+        """Run one round on StepInputs ``x``; returns proposals [S, k] on the device."""
         import logging
 
         from jaxserve.model_runner import pack_inputs
 
-        r = self.runner
         key = (x.input_ids.shape[0], x.block_tables.shape[1])
+        args = (*self._lead(), *pack_inputs(x))
         program = self._programs.get(key)
         if program is None:
-            logging.getLogger("jaxserve").info("compiling draft proposal program tokens=%d ctx=%d on first use",
-                                               key[0], key[1] * r.block_size)
+            logging.getLogger("jaxserve").info("compiling %s program tokens=%d ctx=%d on first use", self.name,
+                                               key[0], key[1] * self.runner.block_size)
             self.num_lazy_compiles += 1
-            program = self._programs[key] = self._jit.lower(r.params, r.kv_caches, *pack_inputs(x)).compile()
-        proposals, r.kv_caches = program(r.params, r.kv_caches, *pack_inputs(x))
-        r.num_steps += 1
+            program = self._programs[key] = self._jit.lower(*args).compile()
+        proposals, cache = program(*args)
+        self._keep(cache)
         return proposals
+
+
+class DraftPrograms(RoundPrograms):
+    """The draft model's rounds, over its ModelRunner's weights and cache (donated in, handed back)."""
+
+    name = "draft proposal"
+
+    def __init__(self, runner, k: int) -> None:
+        import functools
+
+        num_slots = runner.num_blocks * runner.block_size
+        fn = functools.partial(propose, runner.graphdef, runner._treedef, k, runner.block_size, num_slots, unrolled())
+        super().__init__(runner, k, jax.jit(fn, donate_argnums=1))
+
+    def _lead(self) -> tuple:
+        return self.runner.params, self.runner.kv_caches
+
+    def _keep(self, cache) -> None:
+        self.runner.kv_caches = cache
+        self.runner.num_steps += 1

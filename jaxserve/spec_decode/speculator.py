@@ -25,7 +25,7 @@ class Speculator:
         self.ngram = None
         if config.method == "ngram":
             self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.draft = draft  # a DraftProposer for method "draft_model"
+        self.draft = draft  # a DraftProposer ("draft_model") or an EagleProposer ("eagle", "eagle3")
         self.stats = SpecDecodeStats(self.k)
 
     def dispatch(self, sched: SchedulerOutput):

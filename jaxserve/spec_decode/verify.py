@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxserve import buckets
 from jaxserve.batch_builder import build_step_inputs
-from jaxserve.model_runner import ModelRunner, _dummy_inputs, pack_inputs, unpack_inputs
+from jaxserve.model_runner import ModelRunner, _dummy_inputs, pack_inputs, run_model, unpack_inputs
 from jaxserve.sampler import _with_logprobs
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -35,7 +35,7 @@ from jaxserve.spec_decode.rejection import accept
 logger = logging.getLogger("jaxserve")
 
 
-def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec):
+def _verify(graphdef, treedef, k, forced, aux_layers, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec):
     """(params, cache, packed batch, spec_rows [4, R], num_spec [S]) -> (logits [R, V] f32, greedy tokens
     [S, K+1], greedy num_emitted [S], new cache).
 
@@ -43,7 +43,7 @@ def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fie
     then needs no second program. Sampled rows and logprobs take ``_accept`` over the logits."""
     input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, kv_caches = model(input_ids, kv_caches, attn_md)  # [T, E]
+    hidden, kv_caches = run_model(model, input_ids, kv_caches, attn_md, aux_layers)  # [T, E]
     logits = model.compute_logits(hidden[spec_rows[0]])  # [R, V] f32: only the positions that score something
     greedy_md = SamplingMetadata.from_seqs([], spec_rows.shape[1])
     tokens, num_emitted, _ = accept(logits, spec_rows[1:], num_spec, greedy_md, k, forced)
@@ -72,7 +72,9 @@ class VerifyRunner:
     def __init__(self, runner: ModelRunner, k: int, forced_acceptance_length: int | None = None) -> None:
         self.runner = runner
         self.k = k
-        verify = functools.partial(_verify, runner.graphdef, runner._treedef, k, forced_acceptance_length)
+        verify = functools.partial(
+            _verify, runner.graphdef, runner._treedef, k, forced_acceptance_length, runner.aux_layers
+        )
         self._step = jax.jit(verify, donate_argnums=1)
         self._accept = jax.jit(functools.partial(_accept, k, forced_acceptance_length))
         self._programs: dict[tuple[int, int, int], object] = {}  # (T, B, R) -> compiled verify step

@@ -20,7 +20,8 @@ def test_parse_dict_and_json():
 
 @pytest.mark.parametrize("value, message", [
     ({"method": "medusa", "num_speculative_tokens": 2}, r"method='medusa' is not supported.*'ngram', 'draft_model'"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, r"eagle is not implemented"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"method=.eagle. needs .model.: the directory of an EAGLE head"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, r"method=.eagle3. needs .model."),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens=0 is invalid: give an integer >= 1"),
     ({"method": "ngram"}, r"num_speculative_tokens=None is invalid"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
