@@ -46,7 +46,6 @@ class EagleHead(nnx.Module):
         fc_in = 2 * d if version == 1 else aux_width
         self.fc = Linear(fc_in, d, axes=(None, "embed"), use_bias=fc_bias, **kw)
         layer = LlamaDecoderLayer(cfg, 0, attention_fn=attention_fn, **kw)
-        self.norm = self.lm_head = None
         if version == 1:
             layer.input_layernorm = None
             self.layers = nnx.List([layer])
