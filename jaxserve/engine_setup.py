@@ -137,7 +137,7 @@ def build_engine_components(
     runner_config = RunnerConfig(args.enforce_eager, backend, cache_dir, platform, precompile)
     runner = ModelRunner(
         model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh,
-        aux_hidden=_eagle_aux_hidden(args, text_config),
+        aux_hidden=_eagle_aux_hidden(args, text_config, jnp.dtype(dtype).itemsize),
     )
     del model
     scheduler = Scheduler(
@@ -196,7 +196,7 @@ def _speculator(args: EngineArgs, runner: Any, text_config: Any, platform: str, 
     return speculator
 
 
-def _eagle_aux_hidden(args: EngineArgs, text_config: Any) -> Any:
+def _eagle_aux_hidden(args: EngineArgs, text_config: Any, itemsize: int) -> Any:
     """With an EAGLE head, the target's hidden states it reads (and their width), which the target's steps then
     store; None otherwise (the steps are the plain ones)."""
     from jaxserve.spec_decode.config import SpeculativeConfig
@@ -206,7 +206,7 @@ def _eagle_aux_hidden(args: EngineArgs, text_config: Any) -> Any:
         return None
     from jaxserve.spec_decode.eagle import EagleProposer
 
-    return EagleProposer.aux_hidden(config, args, text_config)
+    return EagleProposer.aux_hidden(config, text_config, itemsize)
 
 
 def _tokenizer_or_none(path: str, fmt: str, tokenizer: Optional[str]):

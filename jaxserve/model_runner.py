@@ -137,10 +137,11 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         runner_config: RunnerConfig,
         mesh: jax.sharding.Mesh | None = None,
-        aux_hidden: tuple[tuple[int, ...], int] | None = None,
+        aux_hidden: tuple[tuple[int, ...], int, int] | None = None,
     ) -> None:
-        """``aux_hidden`` (EAGLE speculation only): (the target's layers an EAGLE head reads, their width W): the
-        steps then also write those hidden states to a store [num_slots, W] kept after the layer caches."""
+        """``aux_hidden`` (EAGLE speculation only): (the target's hidden states an EAGLE head reads, their width W,
+        the head's own KV bytes per token): the steps then also write those hidden states to a store
+        [num_slots, W] kept after the layer caches; both count in the memory a KV block costs."""
         self.text_config = text_config
         self.model_config = model_config
         self.cache_config = cache_config
@@ -172,6 +173,8 @@ class ModelRunner:
 
         cfg = text_config
         block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.kv_dtype)
+        if aux_hidden:  # the hidden-state store's rows and the EAGLE head's KV live at the same slots
+            block_bytes += self.block_size * (aux_hidden[1] * self.dtype.itemsize + aux_hidden[2])
         self.num_blocks = num_blocks_for(
             cache_config,
             platform=runner_config.platform,

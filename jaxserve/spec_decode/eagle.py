@@ -105,12 +105,14 @@ class EagleProposer:
         self._states: dict[str, _HeadState] = {}
 
     @staticmethod
-    def aux_hidden(config, args, target_text_config) -> tuple[tuple[int, ...], int]:
-        """What the target's steps must store for this head: (hidden-state indices, width)."""
+    def aux_hidden(config, target_text_config, itemsize: int) -> tuple[tuple[int, ...], int, int]:
+        """What the target's runner must know of this head: (hidden-state indices its steps store, their width,
+        the head's KV bytes per token, which the runner budgets with its own blocks)."""
         from jaxserve.spec_decode.eagle_loader import read_spec
 
         spec = read_spec(config.model, config.method, target_text_config)
-        return spec.aux_layers, spec.aux_width
+        c = spec.config
+        return spec.aux_layers, spec.aux_width, 2 * c.num_key_value_heads * c.head_dim * itemsize
 
     @classmethod
     def build(cls, config, args, target_runner, target_text_config, progress: bool) -> "EagleProposer":

@@ -79,6 +79,7 @@ class VerifyRunner:
         self._accept = jax.jit(functools.partial(_accept, k, forced_acceptance_length))
         self._programs: dict[tuple[int, int, int], object] = {}  # (T, B, R) -> compiled verify step
         self.num_lazy_compiles = 0
+        self._min_tokens = buckets.pick(runner.token_buckets, min(k + 1, runner.token_buckets[-1]))
 
     def dispatch(self, sched: SchedulerOutput):
         """Launch the step; without any proposal in it, the runner's own step (its output has one token a row)."""
@@ -86,13 +87,17 @@ class VerifyRunner:
             return self.runner.dispatch(sched)
         r = self.runner
         t, s, b = r._shapes_for(sched)[:3]  # a verify step is never decode-only (main's 4th value)
+        if t < self._min_tokens:  # proposals cut short (max_tokens): pad to the full program's bucket (CPU only)
+            t = self._min_tokens
+            s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
         x = build_step_inputs(
             sched.seqs, num_tokens_padded=t, num_seqs_padded=s, block_width=b, block_size=r.block_size,
             num_blocks=r.num_blocks,
         )
         counts = np.array([seq.num_spec_tokens + 1 for seq in sched.seqs], np.int32)  # logits rows per sequence
         row_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)  # [S_real]
-        num_rows = _row_bucket(int(counts.sum()))
+        # At least one full sequence's rows: a step whose proposals were cut (max_tokens) reuses that program.
+        num_rows = max(_row_bucket(int(counts.sum())), _row_bucket(self.k + 1))
         # [4, R]: token index in the flat batch | proposal scored there (-1: none) | sequence | position j.
         spec_rows = np.zeros((4, num_rows), np.int32)
         spec_rows[1] = -1
@@ -129,14 +134,14 @@ class VerifyRunner:
         policy = r.runner_config.precompile
         lo = _row_bucket(self.k + 1)
         if policy == "common":
-            return [(buckets.pick(r.token_buckets, self.k + 1), r.width_buckets[0], lo)]
+            return [(self._min_tokens, r.width_buckets[0], lo)]
         out = []
         for t, b in buckets.startup_shapes(r.token_buckets, r.width_buckets, policy):
             if t < 2:
                 continue  # no room for a proposal
             s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
             hi = _row_bucket(min(t, s * (self.k + 1)))
-            out += [(t, b, 1 << i) for i in range(min(lo, hi).bit_length() - 1, hi.bit_length())]
+            out += [(t, b, 1 << i) for i in range(lo.bit_length() - 1, max(lo, hi).bit_length())]
         return out
 
     def warmup(self) -> float:

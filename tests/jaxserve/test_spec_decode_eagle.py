@@ -9,6 +9,7 @@ so the head's proposals are also compared with a numpy re-implementation over th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -78,7 +79,7 @@ def _ids(n, seed=0):
 
 def _engine(version: int, **kw):
     spec = {"method": "eagle" if version == 1 else "eagle3", "model": make_head(version), "num_speculative_tokens": K}
-    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none", **kw))
+    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, **{"precompile": "none", **kw}))
 
 
 def _generate(llm, prompts, params, speculate=True):
@@ -197,3 +198,12 @@ def test_head_proposals_match_a_reference(version, request):
         seq.append(nxt)
         hidden = np.concatenate([hidden, x[-1:]], 0)
     assert proposals == seq[len(tokens) :]
+    if version == 1:
+        # A single stream, to its end (max_tokens cuts the last proposals), uses only programs that
+        # precompile="common" compiles at start-up (this engine compiled them on first use instead: cheaper here).
+        while engine.has_unfinished_requests():
+            engine.step()
+        spec = engine.speculator
+        spec.verifier.runner.runner_config = dataclasses.replace(engine.runner.runner_config, precompile="common")
+        assert spec.stats.num_drafts > 2 and set(spec.verifier._programs) <= set(spec.verifier.startup_shapes())
+        assert set(spec.draft.programs._programs) <= set(spec.draft.programs.shapes())
