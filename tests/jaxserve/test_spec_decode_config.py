@@ -81,5 +81,6 @@ def test_bench_spec_decode_parses_and_describes():
     assert ns.output_len == 50 and SpeculativeConfig.parse(ns.speculative_config).method == "ngram"
     res = {"spec_tokens_per_s": 60.0, "plain_tokens_per_s": 35.0, "speedup": 60 / 35, "identical_tokens": True,
            "spec_decode": {"acceptance_rate": 0.6, "mean_acceptance_length": 2.9, "acceptance_rate_per_pos": [0.7]},
-           "loop_ms_per_step": {"spec": {"host": 5.0, "wait": 37.0, "steps": 3}}}
+           "loop_ms_per_step": {"spec": {"host": 5.0, "propose": 2.0, "wait": 37.0, "steps": 3}}}
     assert "1.71x" in describe(res) and "mean acceptance length 2.90" in describe(res)
+    assert "5.00 ms host (of which 2.00 proposing)" in describe(res)
