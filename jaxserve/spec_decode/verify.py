@@ -96,8 +96,7 @@ class VerifyRunner:
         )
         counts = np.array([seq.num_spec_tokens + 1 for seq in sched.seqs], np.int32)  # logits rows per sequence
         row_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)  # [S_real]
-        # At least one full sequence's rows: a step whose proposals were cut (max_tokens) reuses that program.
-        num_rows = max(_row_bucket(int(counts.sum())), _row_bucket(self.k + 1))
+        num_rows = self.rows_for(t)  # >= counts.sum(): at most T tokens, at most 1 + k per sequence
         # [4, R]: token index in the flat batch | proposal scored there (-1: none) | sequence | position j.
         spec_rows = np.zeros((4, num_rows), np.int32)
         spec_rows[1] = -1
@@ -125,24 +124,25 @@ class VerifyRunner:
         r.num_steps += 1
         return VerifyHandle(tokens, num_emitted, lp, row_start, len(sched.seqs))
 
+    def rows_for(self, t: int) -> int:
+        """Logits rows R of a verify step of T tokens: one per token the step could score (every sequence's
+        1 + k), a power of two, at most T. R depends on T alone, so the verify programs are one per (T, B), as
+        the runner's; a step scoring fewer rows computes a few more logits than it needs (at T = 16, k = 4: 16
+        rows for 5), which a step of T tokens easily affords."""
+        s = buckets.seq_bucket_for(t, self.runner.scheduler_config.max_num_seqs)
+        return _row_bucket(min(t, s * (self.k + 1)))
+
     def startup_shapes(self) -> list[tuple[int, int, int]]:
-        """(T, B, R) to compile at start-up. precompile="all" (accelerators): the runner's start-up (T, B), each
-        with every power-of-two row count from one speculating sequence's to a step whose every token is scored.
-        "common" (CPU, where each compile costs seconds): the single stream's steady state only, one sequence
-        of 1 + k tokens at the shortest context. Others compile on first use."""
+        """(T, B, R) to compile at start-up: the runner's start-up (T, B) with room for a proposal ("all", the
+        accelerators' default); "common" (CPU, where each compile costs seconds): the single stream's steady
+        state only, one sequence of 1 + k tokens at the shortest context. Others compile on first use."""
         r = self.runner
         policy = r.runner_config.precompile
-        lo = _row_bucket(self.k + 1)
         if policy == "common":
-            return [(self._min_tokens, r.width_buckets[0], lo)]
-        out = []
-        for t, b in buckets.startup_shapes(r.token_buckets, r.width_buckets, policy):
-            if t < 2:
-                continue  # no room for a proposal
-            s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
-            hi = _row_bucket(min(t, s * (self.k + 1)))
-            out += [(t, b, 1 << i) for i in range(lo.bit_length() - 1, max(lo, hi).bit_length())]
-        return out
+            shapes = [(self._min_tokens, r.width_buckets[0])]
+        else:
+            shapes = [(t, b) for t, b in buckets.startup_shapes(r.token_buckets, r.width_buckets, policy) if t >= 2]
+        return [(t, b, self.rows_for(t)) for t, b in shapes]
 
     def warmup(self) -> float:
         """Compile the start-up verify steps side by side (XLA compiles without the GIL); returns seconds. The
@@ -190,7 +190,7 @@ class VerifyRunner:
 
 
 def _row_bucket(n: int) -> int:
-    """Logits rows, padded to a power of two (one compiled verify step per (T, B, R))."""
+    """Logits rows, padded to a power of two."""
     return 1 << max(0, (n - 1).bit_length())
 
 

@@ -159,7 +159,9 @@ def _head(t, version, emb, hidden):  # (embeddings of tokens i + 1, hidden state
         x = np.concatenate([emb, hidden], -1) @ t["fc.weight"].T + t["fc.bias"]
         x = x + _attention(t, f"{p}.self_attn", x)
     else:
-        both = np.concatenate([_rms(emb, t[f"{p}.input_layernorm.weight"]), _rms(hidden, t[f"{p}.hidden_norm.weight"])], -1)
+        both = np.concatenate(
+            [_rms(emb, t[f"{p}.input_layernorm.weight"]), _rms(hidden, t[f"{p}.hidden_norm.weight"])], -1
+        )
         x = hidden + _attention(t, f"{p}.self_attn", both)
     h = _rms(x, t[f"{p}.post_attention_layernorm.weight"])
     gate, up = h @ t[f"{p}.mlp.gate_proj.weight"].T, h @ t[f"{p}.mlp.up_proj.weight"].T
