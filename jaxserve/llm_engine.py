@@ -224,7 +224,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self._count_prompt_tokens(sched)
-        outputs = self._finish(sched, self.speculator.dispatch(sched))
+        outputs = self._finish(sched, self.speculator.dispatch(sched, self.scheduler.kv))
         propose_start = time.perf_counter()
         self.speculator.propose(self.scheduler.running, self.scheduler.kv)
         self.loop_time["propose_s"] += time.perf_counter() - propose_start

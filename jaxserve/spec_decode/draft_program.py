@@ -129,20 +129,29 @@ class RoundPrograms:
         r = self.runner
         return buckets.startup_shapes(r.token_buckets, r.width_buckets, r.runner_config.precompile)
 
+    def _key(self, x) -> tuple[int, int]:
+        """The program a call's inputs need: (T, B) of a StepInputs."""
+        return x.input_ids.shape[0], x.block_tables.shape[1]
+
+    def _args(self, shape: tuple[int, int], x=None) -> tuple:
+        """The arguments after ``_lead``: the packed batch ``x``, or a padding-only one of ``shape``."""
+        from jaxserve import buckets
+        from jaxserve.model_runner import _dummy_inputs, pack_inputs
+
+        if x is None:
+            r = self.runner
+            t, b = shape
+            x = _dummy_inputs(t, buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs), b,
+                              r.num_blocks * r.block_size)
+        return pack_inputs(x)
+
     def warmup(self) -> float:
         """Compile the start-up shapes side by side (XLA compiles without the GIL); returns seconds."""
         import concurrent.futures
         import time
 
-        from jaxserve import buckets
-        from jaxserve.model_runner import _dummy_inputs, pack_inputs
-
-        start, r = time.perf_counter(), self.runner
-        lowered = {}
-        for t, b in self.shapes():
-            s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
-            x = _dummy_inputs(t, s, b, r.num_blocks * r.block_size)
-            lowered[(t, b)] = self._jit.lower(*self._lead(), *pack_inputs(x))
+        start = time.perf_counter()
+        lowered = {shape: self._jit.lower(*self._lead(), *self._args(shape)) for shape in self.shapes()}
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
             done = {shape: pool.submit(low.compile) for shape, low in lowered.items()}
@@ -151,17 +160,14 @@ class RoundPrograms:
         return time.perf_counter() - start
 
     def __call__(self, x) -> jax.Array:
-        """Run one round on StepInputs ``x``; returns proposals [S, k] on the device."""
+        """Run one round on ``x`` (what ``_args`` takes); returns proposals [S, k] on the device."""
         import logging
 
-        from jaxserve.model_runner import pack_inputs
-
-        key = (x.input_ids.shape[0], x.block_tables.shape[1])
-        args = (*self._lead(), *pack_inputs(x))
+        key = self._key(x)
+        args = (*self._lead(), *self._args(key, x))
         program = self._programs.get(key)
         if program is None:
-            logging.getLogger("jaxserve").info("compiling %s program tokens=%d ctx=%d on first use", self.name,
-                                               key[0], key[1] * self.runner.block_size)
+            logging.getLogger("jaxserve").info("compiling %s program %s on first use", self.name, key)
             self.num_lazy_compiles += 1
             program = self._programs[key] = self._jit.lower(*args).compile()
         proposals, cache = program(*args)

@@ -14,6 +14,10 @@ is (token N - 1, target hidden N - 2), whose output gives proposal 0), then runs
 feeding (proposal j - 1, the head's previous output) at position N - 2 + j. Those pairs hold the head's
 guesses, not the target's hidden states, so after the round ``valid`` = N - 1 whatever is accepted: the next
 round's catch-up is the accepted tokens plus the bonus (1..k+1 pairs). A preempted request starts from 0.
+
+Prefix-cache sharing: a request that shares another's blocks writes the same head KV into them (the same pairs),
+except at the last position of the last shared block when the two diverge right after it (the pair holds the
+next token): there the later writer's pair wins. Only proposals can suffer from that, never the output.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ def propose_eagle(
     ids, _, md = unpack_inputs(tok, seq)
     target = nnx.merge(tgraph, jax.tree.unflatten(ttree, target_params))
     head = nnx.merge(hgraph, jax.tree.unflatten(htree, head_params))
+    return eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_slots, unroll)
+
+
+def eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_slots, unroll):
+    """The catch-up over the pairs (ids [T]: token i + 1 at position i, whose target hidden state the store
+    holds at the same slot), then k - 1 decode steps. -> (proposals [S, k] i32, new head cache)."""
     embed = target.model.embed_tokens
     hidden = head.project(jnp.take(store, md.slot_mapping, axis=0, mode="fill", fill_value=0))  # [T, D]
     x, kv = head(embed(ids), hidden, head_kv[0], md)  # [T, D]
@@ -74,11 +84,11 @@ class EaglePrograms(RoundPrograms):
     def __init__(self, target_runner, head, d2t: np.ndarray, kv_caches, k: int) -> None:
         r = target_runner
         self.head_graph, head_state = nnx.split(head)
-        self.head_params, head_tree = jax.tree.flatten(head_state)
+        self.head_params, self.head_tree = jax.tree.flatten(head_state)
         self.kv_caches = kv_caches  # [(k_pages, v_pages)]: the head's one layer
         self.d2t = jnp.asarray(d2t)
         fn = functools.partial(
-            propose_eagle, r.graphdef, r._treedef, self.head_graph, head_tree, k, r.block_size,
+            propose_eagle, r.graphdef, r._treedef, self.head_graph, self.head_tree, k, r.block_size,
             r.num_blocks * r.block_size, unrolled(),
         )  # fmt: skip
         super().__init__(target_runner, k, jax.jit(fn, donate_argnums=2))
@@ -97,9 +107,22 @@ class _HeadState:
     valid: int  # positions [0, valid) of the head's cache hold pairs of real tokens and target hidden states
 
 
+@dataclasses.dataclass
+class FedRound:
+    """A fed round in flight (jaxserve.spec_decode.eagle_fed)."""
+
+    proposals: jax.Array  # [S, k] i32 on the device
+    request_ids: list[str]  # row i's request
+    num_preemptions: list[int]  # row i's request's count at dispatch
+    start: list[int]  # row i's first pair position (N - 1 at dispatch)
+
+
 class EagleProposer:
     def __init__(self, programs: EaglePrograms, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        from jaxserve.spec_decode.eagle_fed import FedPrograms
+
         self.programs = programs
+        self.fed = FedPrograms(programs, programs.k)  # rounds fed by the verify step on the device
         self.budget = max_num_batched_tokens
         self.max_seqs = max_num_seqs
         self._states: dict[str, _HeadState] = {}
@@ -133,17 +156,67 @@ class EagleProposer:
         c = spec.config
         kv = allocate_kv_caches(1, r.num_blocks, r.block_size, c.num_key_value_heads, c.head_dim, r.dtype)
         programs = EaglePrograms(r, head, d2t, kv, config.num_speculative_tokens)
-        seconds = programs.warmup()
-        logger.info("EAGLE-%d head %s (reads target hidden states %s): %d proposal programs compiled in %.1fs",
-                    spec.version, config.model, list(spec.aux_layers), len(programs.shapes()), seconds)
         sc = r.scheduler_config
-        return cls(programs, sc.max_num_batched_tokens, sc.max_num_seqs)
+        proposer = cls(programs, sc.max_num_batched_tokens, sc.max_num_seqs)
+        seconds = programs.warmup() + proposer.fed.warmup()
+        logger.info("EAGLE-%d head %s (reads target hidden states %s): %d proposal programs compiled in %.1fs",
+                    spec.version, config.model, list(spec.aux_layers),
+                    len(programs.shapes()) + len(proposer.fed.shapes()), seconds)
+        return proposer
 
-    def propose(self, requests: list[Request], k: int, kv) -> None:
-        """Set ``spec_token_ids`` (k greedy head tokens) on each request that has room for them."""
+    def dispatch_fed(self, sched, handle, kv) -> "FedRound | None":
+        """Right after a verify step: the next round on its tokens, if every sequence is in the steady state
+        (had proposals, and its head cache holds its pairs up to the step's first position). Else None."""
+        from jaxserve import buckets
+        from jaxserve.spec_decode.verify import VerifyHandle
+
+        if not isinstance(handle, VerifyHandle) or not all(seq.num_spec_tokens for seq in sched.seqs):
+            return None
+        rn, k = self.programs.runner, self.programs.k
+        last_position = rn.max_blocks_per_seq * rn.block_size - 1
+        for seq, r in zip(sched.seqs, sched.requests):
+            st = self._states.get(r.request_id)
+            if st is None or st.num_preemptions != r.num_preemptions or st.valid != seq.start_pos:
+                return None
+            # After any acceptance the round writes positions below num_computed (N + k', as if all were
+            # accepted) + k - 1; these slots come back with the rejected proposals' (free_tail).
+            if r.num_computed_tokens + k - 1 > last_position or not kv.allocate_slots(r, k):
+                return None
+        s = handle.tokens.shape[0]
+        ends = [r.num_computed_tokens + k for r in sched.requests]
+        width = buckets.pick(rn.width_buckets, -(-max(ends) // rn.block_size))
+        start = np.full(s, -1, np.int32)
+        tables = np.zeros((s, width), np.int32)
+        for i, (seq, r, end) in enumerate(zip(sched.seqs, sched.requests, ends)):
+            start[i] = seq.start_pos
+            n = -(-end // rn.block_size)
+            tables[i, :n] = kv.get_block_ids(r)[:n]
+        proposals = self.fed((handle.tokens, handle.num_emitted, start, tables))
+        return FedRound(proposals, [r.request_id for r in sched.requests],
+                        [r.num_preemptions for r in sched.requests], start[: len(sched.seqs)].tolist())
+
+    def apply_fed(self, fed: "FedRound", requests: list[Request], emitted: list[int]) -> list[Request]:
+        """Give the requests the fed round's proposals where they hold: the request kept every token the verify
+        step emitted (``emitted[i]`` for row i), which the round caught up. Returns the requests still without."""
+        rows = {rid: i for i, rid in enumerate(fed.request_ids)}
+        proposals = np.asarray(jax.device_get(fed.proposals))
+        rest = []
+        for r in requests:
+            i = rows.get(r.request_id)
+            if (i is None or r.num_preemptions != fed.num_preemptions[i]
+                    or r.num_tokens != fed.start[i] + 1 + emitted[i]):
+                rest.append(r)
+                continue
+            r.spec_token_ids = proposals[i].tolist()
+            self._states[r.request_id] = _HeadState(r.num_preemptions, r.num_tokens - 1)
+        return rest
+
+    def propose(self, requests: list[Request], k: int, kv, live: list[Request] | None = None) -> None:
+        """Set ``spec_token_ids`` (k greedy head tokens) on each request that has room for them. ``live``: the
+        requests whose state to keep (default: ``requests``; more when a fed round served the others)."""
         if k != self.programs.k:
             raise ValueError(f"the EAGLE programs were built for k={self.programs.k}, not k={k}")
-        live = {r.request_id for r in requests}
+        live = {r.request_id for r in (requests if live is None else live)}
         self._states = {rid: s for rid, s in self._states.items() if rid in live}
         rn = self.programs.runner
         last_position = rn.max_blocks_per_seq * rn.block_size - 1

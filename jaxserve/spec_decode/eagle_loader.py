@@ -38,8 +38,11 @@ class EagleSpec:
 
 def read_spec(path: str, method: str, target_cfg) -> EagleSpec:
     """The head's config, checked against the target's."""
-    from jaxserve.models.config import TextModelConfig
+    from jaxserve.models.config import SUPPORTED_MODEL_TYPES, TextModelConfig
 
+    if target_cfg.architecture not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"speculative_config method={method!r} needs a decoder-only target of the Llama family "
+                         f"({', '.join(SUPPORTED_MODEL_TYPES)}), not {target_cfg.architecture!r}")
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(

@@ -27,12 +27,24 @@ class Speculator:
             self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft = draft  # a DraftProposer ("draft_model") or an EagleProposer ("eagle", "eagle3")
         self.stats = SpecDecodeStats(self.k)
+        self._fed = None  # (FedRound, emitted per row): an EAGLE round dispatched behind the verify step
+        self.num_fed_rounds = 0
 
-    def dispatch(self, sched: SchedulerOutput):
-        return self.verifier.dispatch(sched)
+    def dispatch(self, sched: SchedulerOutput, kv=None):
+        """The verify step; with an EAGLE head and ``kv`` (the block manager) in the steady state, also the
+        next proposal round, fed on the device by the verify step's tokens (jaxserve.spec_decode.eagle_fed)."""
+        handle = self.verifier.dispatch(sched)
+        self._fed = None
+        if kv is not None and hasattr(self.draft, "dispatch_fed"):
+            fed = self.draft.dispatch_fed(sched, handle, kv)
+            self._fed = None if fed is None else (fed, None)
+            self.num_fed_rounds += fed is not None
+        return handle
 
     def fetch(self, sched: SchedulerOutput, handle) -> ModelRunnerOutput:
         out = self.verifier.fetch(handle)
+        if self._fed is not None:
+            self._fed = (self._fed[0], [len(e) for e in out.emitted_token_ids])
         for row, seq in enumerate(sched.seqs):
             if seq.num_spec_tokens and not sched.requests[row].is_finished:
                 self.stats.record(seq.num_spec_tokens, len(out.emitted_token_ids[row]) - 1)
@@ -47,7 +59,13 @@ class Speculator:
                 proposal = self.ngram.propose(r.all_token_ids, self.k)
                 r.spec_token_ids = (proposal + [r.all_token_ids[-1]] * self.k)[: self.k] if pad else proposal
         elif self.draft is not None:
-            self.draft.propose(eligible, self.k, kv)
+            if self._fed is not None:
+                fed, emitted = self._fed
+                self._fed = None
+                rest = self.draft.apply_fed(fed, eligible, emitted)
+                self.draft.propose(rest, self.k, kv, live=eligible)
+            else:
+                self.draft.propose(eligible, self.k, kv)
 
 
 def _may_speculate(r: Request) -> bool:

@@ -112,7 +112,7 @@ def test_greedy_exact(llm):
     drafts = stats.num_drafts
     assert _generate(llm, prompts, params) == plain
     assert engine.scheduler.num_preemptions > preempted and engine.scheduler.prefix_cache_hits > hits
-    assert stats.num_drafts > drafts
+    assert stats.num_drafts > drafts and engine.speculator.num_fed_rounds > 0
     # A stop string inside the text (wherever a step's accepted tokens reach it), alone in the engine.
     text = plain[0][0][1]
     stop = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, stop=[text[12:15]])
@@ -127,6 +127,27 @@ def test_sampled_rows_complete_and_follow_the_seed(llm):
     first = _generate(llm, prompts, sp)
     assert [len(o[0][0]) for o in first] == [15, 15]
     assert _generate(llm, prompts, sp) == first
+
+
+def test_head_cache_consistent_after_rejections(llm):
+    """Sampled rows reject often; after every step, the proposals (mostly from rounds fed on the device by the
+    verify step) must equal those the head makes from an empty cache (every pair recomputed)."""
+    engine = llm.llm_engine
+    spec = engine.speculator
+    sp = SamplingParams(temperature=1.5, seed=1, max_tokens=20, ignore_eos=True)
+    for i, n in enumerate((6, 11)):
+        engine.add_request(f"c{i}", {"prompt_token_ids": _ids(n, 30 + i)}, sp)
+    compared, fed = 0, spec.num_fed_rounds
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = [r for r in engine.scheduler.running if r.spec_token_ids]
+        incremental = {r.request_id: list(r.spec_token_ids) for r in running}
+        spec.draft._states.clear()  # forget what the head's cache holds: recompute from position 0
+        spec.draft.propose(running, K, engine.scheduler.kv)
+        assert {r.request_id: r.spec_token_ids for r in running} == incremental
+        compared += len(running)
+    assert compared > 5 and spec.num_fed_rounds > fed
+    assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens
 
 
 def _rms(x, w, eps=1e-6):
