@@ -28,6 +28,7 @@ from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import ScheduledSeq, SchedulerOutput
 from jaxserve.spec_decode.draft_program import DraftPrograms, round_inputs
+from jaxserve.spec_decode.fed_rounds import FedPrograms, FedRoundsMixin
 
 logger = logging.getLogger("jaxserve")
 
@@ -42,10 +43,11 @@ class _DraftState:
     fed: list = dataclasses.field(default_factory=list)  # proposals whose KV the draft wrote (all but the last)
 
 
-class DraftProposer:
+class DraftProposer(FedRoundsMixin):
     def __init__(self, runner, max_num_batched_tokens: int, max_num_seqs: int, k: int) -> None:
         self.runner = runner  # the draft's ModelRunner
         self.programs = DraftPrograms(runner, k)  # the fused proposal programs (catch-up + k - 1 decodes)
+        self.fed = FedPrograms(self.programs, k)  # rounds fed by the verify step on the device (fed_rounds)
         self.budget = max_num_batched_tokens
         self.max_seqs = max_num_seqs
         self._states: dict[str, _DraftState] = {}
@@ -96,16 +98,44 @@ class DraftProposer:
         runner = ModelRunner(model, text_config, draft_mc, cache, sc, rc, mesh=mesh)
         runner.warmup(progress=progress)  # its plain steps: the chunks of a long catch-up (a prompt)
         proposer = cls(runner, sc.max_num_batched_tokens, sc.max_num_seqs, config.num_speculative_tokens)
-        seconds = proposer.programs.warmup()
+        seconds = proposer.programs.warmup() + proposer.fed.warmup()
         logger.info("draft model %s: %d KV blocks (the target's layout), %d proposal programs compiled in %.1fs",
-                    path, runner.num_blocks, len(proposer.programs.shapes()), seconds)
+                    path, runner.num_blocks, len(proposer.programs.shapes()) + len(proposer.fed.shapes()), seconds)
         return proposer
 
-    def propose(self, requests: list[Request], k: int, kv) -> None:
+    def _steady(self, seq: ScheduledSeq, r: Request) -> bool:
+        """The draft cache is as the last round left it, for exactly these proposals: real tokens below N, then
+        the proposals it fed, which the verified ones start with."""
+        st = self._states.get(r.request_id)
+        n = seq.start_pos + 1
+        verified = seq.token_ids[1:]
+        m = min(len(verified), len(st.fed)) if st is not None else 0
+        return (st is not None and st.num_preemptions == r.num_preemptions and st.valid == st.proposal_start == n
+                and verified[:m] == st.fed[:m])
+
+    def _num_fed(self, r: Request) -> int:
+        return len(self._states[r.request_id].fed)
+
+    def _record_fed(self, r: Request, proposals: list[int], blocks: list[int], kv) -> bool:
+        """As an ordinary round would: slots up to N + k - 2. The proposals it fed keep their KV only if the
+        request holds the blocks the round wrote them through (free_tail may have handed them on)."""
+        k = len(proposals)
+        if not kv.allocate_slots(r, k):
+            return False
+        n = -(-(r.num_tokens + k - 1) // self.runner.block_size)
+        kept = list(kv.get_block_ids(r)[:n]) == blocks[:n]
+        self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens,
+                                                 proposals[:-1] if kept else [])
+        return True
+
+    def _record(self, r: Request, proposals: list[int]) -> None:
+        self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens, proposals[:-1])
+
+    def propose(self, requests: list[Request], k: int, kv, live: list[Request] | None = None) -> None:
         """Set ``spec_token_ids`` (k greedy draft tokens) on each request that has room for them."""
         if k != self.programs.k:
             raise ValueError(f"the draft's programs were built for k={self.programs.k}, not k={k}")
-        live = {r.request_id for r in requests}
+        live = {r.request_id for r in (requests if live is None else live)}
         self._states = {rid: s for rid, s in self._states.items() if rid in live}
         todo = []
         last_position = self.runner.max_blocks_per_seq * self.runner.block_size - 1
@@ -125,7 +155,7 @@ class DraftProposer:
         proposals = np.asarray(jax.device_get(self.programs(x)))[: len(todo)]  # [n, k]
         for (r, _, _), row in zip(todo, proposals.tolist()):
             r.spec_token_ids = row
-            self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens, row[:-1])
+            self._record(r, row)
 
     def _prefill_until_fits(self, todo) -> list[int]:
         """Run long catch-ups (prompts) in plain chunked steps through the runner until every request's rest fits

@@ -62,6 +62,13 @@ def propose(graphdef, treedef, k: int, block_size: int, num_slots: int, unroll: 
     write there)."""
     input_ids, _, md = unpack_inputs(tok, seq)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    return draft_round(model, kv_caches, input_ids, md, k, block_size, num_slots, unroll)
+
+
+def draft_round(model, kv_caches, input_ids, md: AttentionMetadata, k: int, block_size: int, num_slots: int,
+                unroll: bool):
+    """The catch-up (input_ids [T] over ``md``), whose argmax at each sequence's last token is proposal 0, then
+    k - 1 decode steps. -> (proposals [S, k] i32, new cache)."""
     hidden, kv_caches = model(input_ids, kv_caches, md)  # [T, E]
     first = argmax(model.compute_logits(hidden[md.logits_indices]))  # [S]: proposal 0
     out = jnp.zeros((first.shape[0], k), jnp.int32).at[:, 0].set(first)  # [S, k]

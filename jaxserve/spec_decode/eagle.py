@@ -35,6 +35,7 @@ from jaxserve.model_runner import unpack_inputs
 from jaxserve.request import Request
 from jaxserve.spec_decode.draft_model import _seq
 from jaxserve.spec_decode.draft_program import RoundPrograms, decode_metadata, round_inputs, unrolled
+from jaxserve.spec_decode.fed_rounds import FedPrograms, FedRoundsMixin
 
 logger = logging.getLogger("jaxserve")
 
@@ -107,20 +108,8 @@ class _HeadState:
     valid: int  # positions [0, valid) of the head's cache hold pairs of real tokens and target hidden states
 
 
-@dataclasses.dataclass
-class FedRound:
-    """A fed round in flight (jaxserve.spec_decode.eagle_fed)."""
-
-    proposals: jax.Array  # [S, k] i32 on the device
-    request_ids: list[str]  # row i's request
-    num_preemptions: list[int]  # row i's request's count at dispatch
-    start: list[int]  # row i's first pair position (N - 1 at dispatch)
-
-
-class EagleProposer:
+class EagleProposer(FedRoundsMixin):
     def __init__(self, programs: EaglePrograms, max_num_batched_tokens: int, max_num_seqs: int) -> None:
-        from jaxserve.spec_decode.eagle_fed import FedPrograms
-
         self.programs = programs
         self.fed = FedPrograms(programs, programs.k)  # rounds fed by the verify step on the device
         self.budget = max_num_batched_tokens
@@ -164,52 +153,21 @@ class EagleProposer:
                     len(programs.shapes()) + len(proposer.fed.shapes()), seconds)
         return proposer
 
-    def dispatch_fed(self, sched, handle, kv) -> "FedRound | None":
-        """Right after a verify step: the next round on its tokens, if every sequence is in the steady state
-        (had proposals, and its head cache holds its pairs up to the step's first position). Else None."""
-        from jaxserve import buckets
-        from jaxserve.spec_decode.verify import VerifyHandle
+    def _steady(self, seq, r: Request) -> bool:
+        """The head's cache holds this request's pairs up to the verify step's first position, as the last
+        round left it."""
+        st = self._states.get(r.request_id)
+        return st is not None and st.num_preemptions == r.num_preemptions and st.valid == seq.start_pos
 
-        if not isinstance(handle, VerifyHandle) or not all(seq.num_spec_tokens for seq in sched.seqs):
-            return None
-        rn, k = self.programs.runner, self.programs.k
-        last_position = rn.max_blocks_per_seq * rn.block_size - 1
-        for seq, r in zip(sched.seqs, sched.requests):
-            st = self._states.get(r.request_id)
-            if st is None or st.num_preemptions != r.num_preemptions or st.valid != seq.start_pos:
-                return None
-            # After any acceptance the round writes positions below num_computed (N + k', as if all were
-            # accepted) + k - 1; these slots come back with the rejected proposals' (free_tail).
-            if r.num_computed_tokens + k - 1 > last_position or not kv.allocate_slots(r, k):
-                return None
-        s = handle.tokens.shape[0]
-        ends = [r.num_computed_tokens + k for r in sched.requests]
-        width = buckets.pick(rn.width_buckets, -(-max(ends) // rn.block_size))
-        start = np.full(s, -1, np.int32)
-        tables = np.zeros((s, width), np.int32)
-        for i, (seq, r, end) in enumerate(zip(sched.seqs, sched.requests, ends)):
-            start[i] = seq.start_pos
-            n = -(-end // rn.block_size)
-            tables[i, :n] = kv.get_block_ids(r)[:n]
-        proposals = self.fed((handle.tokens, handle.num_emitted, start, tables))
-        return FedRound(proposals, [r.request_id for r in sched.requests],
-                        [r.num_preemptions for r in sched.requests], start[: len(sched.seqs)].tolist())
+    def _num_fed(self, r: Request) -> int:
+        return 0  # the pairs the round fed hold guesses: never kept
 
-    def apply_fed(self, fed: "FedRound", requests: list[Request], emitted: list[int]) -> list[Request]:
-        """Give the requests the fed round's proposals where they hold: the request kept every token the verify
-        step emitted (``emitted[i]`` for row i), which the round caught up. Returns the requests still without."""
-        rows = {rid: i for i, rid in enumerate(fed.request_ids)}
-        proposals = np.asarray(jax.device_get(fed.proposals))
-        rest = []
-        for r in requests:
-            i = rows.get(r.request_id)
-            if (i is None or r.num_preemptions != fed.num_preemptions[i]
-                    or r.num_tokens != fed.start[i] + 1 + emitted[i]):
-                rest.append(r)
-                continue
-            r.spec_token_ids = proposals[i].tolist()
-            self._states[r.request_id] = _HeadState(r.num_preemptions, r.num_tokens - 1)
-        return rest
+    def _record_fed(self, r: Request, proposals: list[int], blocks: list[int], kv) -> bool:
+        self._record(r, proposals)  # the scheduler allocates the proposals' slots
+        return True
+
+    def _record(self, r: Request, proposals: list[int]) -> None:
+        self._states[r.request_id] = _HeadState(r.num_preemptions, r.num_tokens - 1)
 
     def propose(self, requests: list[Request], k: int, kv, live: list[Request] | None = None) -> None:
         """Set ``spec_token_ids`` (k greedy head tokens) on each request that has room for them. ``live``: the
@@ -244,7 +202,7 @@ class EagleProposer:
         proposals = self._round(todo, cursor, None, k)
         for (r, _, _), row in zip(todo, proposals.tolist()):
             r.spec_token_ids = row
-            self._states[r.request_id] = _HeadState(r.num_preemptions, r.num_tokens - 1)
+            self._record(r, row)
 
     def _round(self, todo, cursor: list[int], take: dict | None, k: int) -> np.ndarray:
         """One program over the pairs from each cursor (``take``: that many, for the listed requests only;

@@ -27,12 +27,12 @@ class Speculator:
             self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft = draft  # a DraftProposer ("draft_model") or an EagleProposer ("eagle", "eagle3")
         self.stats = SpecDecodeStats(self.k)
-        self._fed = None  # (FedRound, emitted per row): an EAGLE round dispatched behind the verify step
+        self._fed = None  # (FedRound, emitted per row): a proposal round dispatched behind the verify step
         self.num_fed_rounds = 0
 
     def dispatch(self, sched: SchedulerOutput, kv=None):
-        """The verify step; with an EAGLE head and ``kv`` (the block manager) in the steady state, also the
-        next proposal round, fed on the device by the verify step's tokens (jaxserve.spec_decode.eagle_fed)."""
+        """The verify step; with a draft model or an EAGLE head and ``kv`` (the block manager), in the steady state
+        also the next proposal round, fed on the device by the verify step's tokens (spec_decode.fed_rounds)."""
         handle = self.verifier.dispatch(sched)
         self._fed = None
         if kv is not None and hasattr(self.draft, "dispatch_fed"):
@@ -62,7 +62,7 @@ class Speculator:
             if self._fed is not None:
                 fed, emitted = self._fed
                 self._fed = None
-                rest = self.draft.apply_fed(fed, eligible, emitted)
+                rest = self.draft.apply_fed(fed, eligible, emitted, kv)
                 self.draft.propose(rest, self.k, kv, live=eligible)
             else:
                 self.draft.propose(eligible, self.k, kv)
