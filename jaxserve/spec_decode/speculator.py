@@ -1,7 +1,9 @@
 """Speculator: what the engine holds when speculative decoding is on (proposer + verify step + statistics).
 
 The loop with speculation runs one step at a time (schedule, verify, read back, propose): the next step's
-proposals depend on which tokens this step accepted, so it cannot be dispatched before this one is read.
+proposals depend on which tokens this step accepted, so it cannot be dispatched before this one is read. A
+draft model's or EAGLE head's next round, though, is dispatched right behind the verify step in the steady
+state, fed by its tokens on the device (``fed_rounds``), so the host's work on the step's tokens overlaps it.
 Without ``speculative_config`` the asynchronous loop is unchanged.
 """
 
