@@ -9,6 +9,7 @@ Without ``speculative_config`` the asynchronous loop is unchanged.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from jaxserve.request import Request, RequestStatus
@@ -31,13 +32,15 @@ class Speculator:
         self.stats = SpecDecodeStats(self.k)
         self._fed = None  # (FedRound, emitted per row): a proposal round dispatched behind the verify step
         self.num_fed_rounds = 0
+        # JAXSERVE_SPEC_FED=0 turns fed rounds off (every round waits for the host): an ablation switch.
+        self.fed_rounds = os.environ.get("JAXSERVE_SPEC_FED", "1") != "0"
 
     def dispatch(self, sched: SchedulerOutput, kv=None):
         """The verify step; with a draft model or an EAGLE head and ``kv`` (the block manager), in the steady state
         also the next proposal round, fed on the device by the verify step's tokens (spec_decode.fed_rounds)."""
         handle = self.verifier.dispatch(sched)
         self._fed = None
-        if kv is not None and hasattr(self.draft, "dispatch_fed"):
+        if kv is not None and self.fed_rounds and hasattr(self.draft, "dispatch_fed"):
             fed = self.draft.dispatch_fed(sched, handle, kv)
             self._fed = None if fed is None else (fed, None)
             self.num_fed_rounds += fed is not None
