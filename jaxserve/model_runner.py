@@ -405,7 +405,6 @@ class ModelRunner:
             "num_blocks": self.num_blocks,
             "kv_dtype": self.kv_dtype.name,  # a bf16-cache program must never run over an fp8 cache
             "kv_scales": self.kv_scales,
-            "aux_layers": self.aux_layers,  # EAGLE: the steps also write the hidden-state store
             "max_rows": self.max_rows,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "runner": repr(self.runner_config),
@@ -415,6 +414,8 @@ class ModelRunner:
             "params": [(x.shape, str(x.dtype), repr(getattr(x.sharding, "spec", x.sharding))) for x in self.params],
             "tree": str(self._treedef),
         }
+        if self.aux_layers:  # EAGLE: the steps also write the hidden-state store (absent: keys stay as before)
+            context["aux_layers"] = self.aux_layers
         return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)
 
     def _sampler_variants(self, shapes: list[tuple[int, int]]) -> list[tuple[tuple, Any]]:
