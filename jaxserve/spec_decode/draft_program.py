@@ -136,6 +136,9 @@ class RoundPrograms:
         r = self.runner
         return buckets.startup_shapes(r.token_buckets, r.width_buckets, r.runner_config.precompile)
 
+    def _lower(self, shape: tuple[int, int], args: tuple):
+        return self._jit.lower(*args)
+
     def _key(self, x) -> tuple[int, int]:
         """The program a call's inputs need: (T, B) of a StepInputs."""
         return x.input_ids.shape[0], x.block_tables.shape[1]
@@ -158,7 +161,7 @@ class RoundPrograms:
         import time
 
         start = time.perf_counter()
-        lowered = {shape: self._jit.lower(*self._lead(), *self._args(shape)) for shape in self.shapes()}
+        lowered = {shape: self._lower(shape, (*self._lead(), *self._args(shape))) for shape in self.shapes()}
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
             done = {shape: pool.submit(low.compile) for shape, low in lowered.items()}
@@ -176,7 +179,7 @@ class RoundPrograms:
         if program is None:
             logging.getLogger("jaxserve").info("compiling %s program %s on first use", self.name, key)
             self.num_lazy_compiles += 1
-            program = self._programs[key] = self._jit.lower(*args).compile()
+            program = self._programs[key] = self._lower(key, args).compile()
         proposals, cache = program(*args)
         self._keep(cache)
         return proposals

@@ -31,12 +31,12 @@ from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.spec_decode.draft_program import RoundPrograms, draft_round, unrolled
 
 
-def fed_metadata(first, num_emitted, base, block_tables, block_size: int, num_slots: int, width: int):
+def fed_metadata(first, num_emitted, base, block_tables, block_size: int, num_slots: int, width: int, t: int):
     """The catch-up's ragged layout from the verify step's output: sequence s runs its emitted tokens
-    j = first[s] .. num_emitted[s] - 1 at positions base[s] + j (base[s] < 0: padding, no tokens). T = S * width,
-    padding tokens last. -> (index [T]: the (s, j) each token reads, flat s * width + j; AttentionMetadata)."""
+    j = first[s] .. num_emitted[s] - 1 at positions base[s] + j (base[s] < 0: padding, no tokens); T = ``t``
+    tokens (the verify step's bucket: it emitted no more), padding last. -> (index [T]: the (s, j) each token
+    reads, flat s * width + j; AttentionMetadata)."""
     s = base.shape[0]
-    t = s * width
     real = base >= 0  # [S]
     count = jnp.where(real, num_emitted - first, 0)  # [S]
     qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(count).astype(jnp.int32)])  # [S+1]
@@ -58,36 +58,37 @@ def fed_metadata(first, num_emitted, base, block_tables, block_size: int, num_sl
     return jnp.where(real_tok, seq * width + j, 0), md
 
 
-def _fed_inputs(tokens, num_emitted, start, block_tables, first, offset, block_size, num_slots):
+def _fed_inputs(tokens, num_emitted, start, block_tables, first, offset, block_size, num_slots, t):
     """(ids [T], md) of a fed catch-up; ``offset``: the position of emitted token 0 minus N - 1 (EAGLE 0: a pair
     at N - 1 + j; draft 1: token j at N + j)."""
     base = jnp.where(start >= 0, start + offset, -1)  # [S]
-    index, md = fed_metadata(first, num_emitted, base, block_tables, block_size, num_slots, tokens.shape[1])
+    index, md = fed_metadata(first, num_emitted, base, block_tables, block_size, num_slots, tokens.shape[1], t)
     return tokens.reshape(-1)[index], md  # [T]
 
 
 def propose_fed_eagle(
     tgraph, ttree, hgraph, htree, k, block_size, num_slots, unroll,
-    target_params, head_params, head_kv, store, d2t, tokens, num_emitted, start, num_fed, block_tables,
+    target_params, head_params, head_kv, store, d2t, tokens, num_emitted, start, num_fed, block_tables, *,
+    num_tokens,
 ):  # fmt: skip
     """(target params, head params, head cache [donated], hidden store, d2t, the verify step's tokens [S, K+1]
     and num_emitted [S] (on the device), start [S] i32 (N - 1, or -1 for padding), num_fed [S] (unused here),
-    block tables [S, B]) -> (proposals [S, k] i32, new head cache)."""
+    block tables [S, B]; ``num_tokens`` (static): T of the catch-up) -> (proposals [S, k] i32, new head cache)."""
     from jaxserve.spec_decode.eagle import eagle_round
 
     first = jnp.zeros_like(num_emitted)
-    ids, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 0, block_size, num_slots)
+    ids, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 0, block_size, num_slots, num_tokens)
     target = nnx.merge(tgraph, jax.tree.unflatten(ttree, target_params))
     head = nnx.merge(hgraph, jax.tree.unflatten(htree, head_params))
     return eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_slots, unroll)
 
 
 def propose_fed_draft(graphdef, treedef, k, block_size, num_slots, unroll, params, kv_caches, tokens, num_emitted,
-                      start, num_fed, block_tables):
+                      start, num_fed, block_tables, *, num_tokens):
     """As ``propose_fed_eagle``, for a draft model: (params, draft cache [donated], ..., num_fed [S]: proposals
     whose KV the draft cache holds at N.., ...) -> (proposals, cache)."""
     first = jnp.minimum(num_emitted - 1, num_fed)  # accepted proposals whose KV the last round wrote
-    ids, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 1, block_size, num_slots)
+    ids, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 1, block_size, num_slots, num_tokens)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     return draft_round(model, kv_caches, ids, md, k, block_size, num_slots, unroll)
 
@@ -111,7 +112,7 @@ class FedPrograms(RoundPrograms):
         else:  # DraftPrograms: the draft runner's weights and cache
             fn = functools.partial(propose_fed_draft, r.graphdef, r._treedef, k, r.block_size, num_slots, unrolled())
             donate = 1
-        super().__init__(r, k, jax.jit(fn, donate_argnums=donate))
+        super().__init__(r, k, jax.jit(fn, donate_argnums=donate, static_argnames="num_tokens"))
 
     def _lead(self) -> tuple:
         return self.rounds._lead()
@@ -120,19 +121,21 @@ class FedPrograms(RoundPrograms):
         self.rounds._keep(cache)
 
     def shapes(self) -> list[tuple[int, int]]:
-        from jaxserve import buckets
+        return [(t, b) for t, b in super().shapes() if t >= 2]  # (T, B) of the verify steps
 
-        r = self.runner
-        return sorted({(buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs), b) for t, b in super().shapes()
-                       if t >= 2})
+    def _lower(self, shape: tuple[int, int], args: tuple):
+        return self._jit.lower(*args, num_tokens=shape[0])
 
     def _key(self, x) -> tuple[int, int]:
-        return tuple(x[4].shape)
+        return x[0], x[5].shape[1]  # x: (T of the verify step, its inputs...)
 
     def _args(self, shape: tuple[int, int], x=None) -> tuple:
+        from jaxserve import buckets
+
         if x is not None:
-            return x
-        s, b = shape
+            return x[1:]
+        t, b = shape
+        s = buckets.seq_bucket_for(t, self.runner.scheduler_config.max_num_seqs)
         # Padding only: tokens [S, K+1], num_emitted [S], start [S] = -1, num_fed [S], block tables [S, B].
         return (np.zeros((s, self.k + 1), np.int32), np.ones(s, np.int32), np.full(s, -1, np.int32),
                 np.zeros(s, np.int32), np.zeros((s, b), np.int32))
@@ -192,7 +195,8 @@ class FedRoundsMixin:
         start, tables = placed
         num_fed = np.zeros(len(start), np.int32)
         num_fed[: len(sched.seqs)] = [self._num_fed(r) for r in sched.requests]
-        proposals = self.fed((handle.tokens, handle.num_emitted, start, num_fed, tables))
+        t = handle.num_tokens
+        proposals = self.fed((t, handle.tokens, handle.num_emitted, start, num_fed, tables))
         return FedRound(proposals, [r.request_id for r in sched.requests],
                         [r.num_preemptions for r in sched.requests], start[: len(sched.seqs)].tolist(),
                         [list(kv.get_block_ids(r)) for r in sched.requests])

@@ -64,6 +64,7 @@ class VerifyHandle:
     logprobs: object  # SamplerOutput of the R logits rows, or None
     row_start: np.ndarray  # [S_real]: each sequence's first logits row
     num_rows: int
+    num_tokens: int = 0  # T: the step's token bucket
 
 
 class VerifyRunner:
@@ -122,7 +123,7 @@ class VerifyRunner:
         if not md.plain_greedy:
             tokens, num_emitted, lp = self._accept(logits, spec_rows, num_spec, md)
         r.num_steps += 1
-        return VerifyHandle(tokens, num_emitted, lp, row_start, len(sched.seqs))
+        return VerifyHandle(tokens, num_emitted, lp, row_start, len(sched.seqs), t)
 
     def rows_for(self, t: int) -> int:
         """Logits rows R of a verify step of T tokens: one per token the step could score (every sequence's
