@@ -32,8 +32,11 @@ class Speculator:
         self.stats = SpecDecodeStats(self.k)
         self._fed = None  # (FedRound, emitted per row): a proposal round dispatched behind the verify step
         self.num_fed_rounds = 0
-        # JAXSERVE_SPEC_FED=0 turns fed rounds off (every round waits for the host): an ablation switch.
-        self.fed_rounds = os.environ.get("JAXSERVE_SPEC_FED", "1") != "0"
+        # Fed rounds (fed_rounds.py) by default on accelerators only: on CPU the host's work cannot overlap the
+        # device's (the same cores), and a fed catch-up takes the verify step's token bucket (16 for k = 4), not
+        # its own (4 for 1-2 tokens), which costs CPU matmuls real time. JAXSERVE_SPEC_FED=1 / 0 forces them.
+        forced = os.environ.get("JAXSERVE_SPEC_FED")
+        self.fed_rounds = runner.runner_config.platform != "cpu" if forced is None else forced != "0"
 
     def dispatch(self, sched: SchedulerOutput, kv=None):
         """The verify step; with a draft model or an EAGLE head and ``kv`` (the block manager), in the steady state

@@ -22,7 +22,9 @@ def _ids(n, seed=0):
 
 def _engine(draft_variant, **kw):
     spec = {"method": "draft_model", "model": checkpoint(draft_variant), "num_speculative_tokens": K}
-    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none", **kw))
+    llm = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none", **kw))
+    llm.llm_engine.speculator.fed_rounds = True  # on CPU off by default (spec_decode.speculator): test them
+    return llm
 
 
 def _generate(llm, prompts, params, speculate=True):
