@@ -70,8 +70,9 @@ class EngineArgs:
     # sentence-transformers directory, a BERT-family encoder or a bare *Model decoder is pooling).
     runner: str = "auto"
     task: Optional[str] = None  # vLLM's older spelling: "embed" means runner="pooling", "generate" generate
-    # Speculative decoding, as vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_tokens": k,
-    # "prompt_lookup_min"/"prompt_lookup_max" (ngram), "model" (draft_model)}; a JSON string from the CLI.
+    # Speculative decoding, as vLLM's dict: {"method": "ngram" | "draft_model" | "eagle" | "eagle3",
+    # "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (ngram), "model" (draft_model: a
+    # checkpoint; eagle, eagle3: an EAGLE head's directory)}; a JSON string from the CLI.
     speculative_config: Optional[Any] = None
     # Vision-language models: most images one prompt may carry ({"image": N}, or "image=N" from the CLI);
     # the image processor's overrides (e.g. {"max_pixels": 401408}); the directory under which prompts may

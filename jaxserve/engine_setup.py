@@ -144,6 +144,7 @@ def build_engine_components(
         model, text_config, model_config, cache_config, scheduler_config, runner_config, mesh=mesh,
         lora_config=lora_config,
         mm_max_tokens_per_image=mm_processor.max_tokens_per_image if mm_processor is not None else 0,
+        aux_hidden=_eagle_aux_hidden(args, text_config, jnp.dtype(dtype).itemsize),
     )  # fmt: skip
     del model
     scheduler = Scheduler(
@@ -224,7 +225,29 @@ def _speculator(args: EngineArgs, runner: Any, text_config: Any, platform: str, 
         from jaxserve.spec_decode.draft_model import DraftProposer
 
         draft = DraftProposer.build(config, args, runner, text_config, mesh, progress)
-    return Speculator(config, runner, draft)
+    elif config.method in ("eagle", "eagle3"):
+        from jaxserve.spec_decode.eagle import EagleProposer
+
+        draft = EagleProposer.build(config, args, runner, text_config, progress)
+    speculator = Speculator(config, runner, draft)
+    if not args.enforce_eager:
+        seconds = speculator.verifier.warmup()
+        logger.info("speculative decoding (%s, k=%d): %d verify step shapes compiled in %.1fs", config.method,
+                    config.num_speculative_tokens, len(speculator.verifier.startup_shapes()), seconds)
+    return speculator
+
+
+def _eagle_aux_hidden(args: EngineArgs, text_config: Any, itemsize: int) -> Any:
+    """With an EAGLE head, the target's hidden states it reads (and their width), which the target's steps then
+    store; None otherwise (the steps are the plain ones)."""
+    from jaxserve.spec_decode.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(args.speculative_config)
+    if config is None or config.method not in ("eagle", "eagle3"):
+        return None
+    from jaxserve.spec_decode.eagle import EagleProposer
+
+    return EagleProposer.aux_hidden(config, text_config, itemsize)
 
 
 def _tokenizer_or_none(path: str, fmt: str, tokenizer: Optional[str]):

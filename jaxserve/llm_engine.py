@@ -78,7 +78,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         # Where the loop's time goes: seconds inside step() in all, and of those, blocked reading a
         # step's tokens back (the host waiting for the device). host = total - wait.
-        self.loop_time = {"steps": 0, "total_s": 0.0, "wait_s": 0.0}
+        # propose_s: with speculation, the proposer's share of total_s (a draft round waits for its proposals)
+        self.loop_time = {"steps": 0, "total_s": 0.0, "wait_s": 0.0, "propose_s": 0.0}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: bool = True) -> "LLMEngine":
@@ -299,8 +300,10 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self._count_prompt_tokens(sched)
-        outputs = self._finish(sched, self.speculator.dispatch(sched))
+        outputs = self._finish(sched, self.speculator.dispatch(sched, self.scheduler.kv))
+        propose_start = time.perf_counter()
         self.speculator.propose(self.scheduler.running, self.scheduler.kv)
+        self.loop_time["propose_s"] += time.perf_counter() - propose_start
         return outputs
 
     def _finish(self, sched: SchedulerOutput, handle: "StepHandle") -> list[RequestOutput]:

@@ -51,7 +51,8 @@ logger = logging.getLogger("jaxserve")
 
 
 def _forward(
-    graphdef, treedef, num_rows_max, decode_only, lora_spec, params, kv_caches, tok_fields, seq_fields, prev_tokens, *mm
+    graphdef, treedef, num_rows_max, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields,
+    prev_tokens, *mm,
 ):
     """Pure step: (params, cache, packed batch) -> (logits of each sequence's last token [S, V], their argmax
     padded to [S_max], new cache).
@@ -63,6 +64,7 @@ def _forward(
     compiled for steps whose every sequence has one new token (see AttentionMetadata.decode_only).
     ``lora_spec`` (static): None, or (number of model parameters, layers) when ``params`` ends with the LoRA
     slot arrays (jaxserve.lora.slots) and ``tok_fields`` has the tokens' slot row.
+    ``aux_layers`` (static; EAGLE only, else ()): see ``run_model``.
     A vision-language model's step also takes ``mm = (mm_fields [4, T] i32, image pool [P, D])``
     (jaxserve.vision_runner); a text model's program has no such arguments.
     """
@@ -75,7 +77,7 @@ def _forward(
         params = params[:num_model_params]
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     lora_kw = {"lora": lora} if lora is not None else {}
-    hidden, kv_caches = model(input_ids, kv_caches, md, **lora_kw, **_mm_kwargs(mm))  # [T, E]
+    hidden, kv_caches = run_model(model, input_ids, kv_caches, md, aux_layers, **lora_kw, **_mm_kwargs(mm))  # [T, E]
     logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
     greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
     return logits, greedy, kv_caches
@@ -87,6 +89,18 @@ def _mm_kwargs(mm: tuple) -> dict:
         return {}
     fields, pool = mm  # [4, T] i32 (3 M-RoPE rows, embed_index), [P, D]
     return dict(mrope_positions=fields[:3], image_embeds=pool, embed_index=fields[3])
+
+
+def run_model(model, input_ids, kv_caches: list, md: AttentionMetadata, aux_layers: tuple[int, ...] = (), **kw):
+    """The model over the step (``kw``: LoRA or image inputs). With ``aux_layers`` (EAGLE speculation),
+    ``kv_caches`` ends with one more array, the hidden-state store [num_slots, W], and the hidden states the
+    EAGLE head reads are written to it at each token's KV slot, beside its KV: the head later gathers them per
+    position through the same block tables (jaxserve.spec_decode.eagle). -> (final hidden [T, E], caches)."""
+    if not aux_layers:
+        return model(input_ids, kv_caches, md, **kw)
+    hidden, layer_caches, aux = model(input_ids, kv_caches[:-1], md, aux_layers=aux_layers, **kw)  # aux [T, W]
+    store = kv_caches[-1].at[md.slot_mapping].set(aux.astype(kv_caches[-1].dtype), mode="drop")
+    return hidden, [*layer_caches, store]
 
 
 def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -148,9 +162,13 @@ class ModelRunner:
         mesh: jax.sharding.Mesh | None = None,
         lora_config=None,  # jaxserve.config.LoRAConfig with enable_lora
         mm_max_tokens_per_image: int = 16384,
+        aux_hidden: tuple[tuple[int, ...], int, int] | None = None,
     ) -> None:
         """``mm_max_tokens_per_image``: a vision-language model's largest image in placeholder tokens (sizes
-        the image-embedding pool)."""
+        the image-embedding pool). ``aux_hidden`` (EAGLE speculation only): (the target's hidden states an
+        EAGLE head reads, their width W, the head's own KV bytes per token): the steps then also write those
+        hidden states to a store [num_slots, W] kept after the layer caches; both count in the memory a KV
+        block costs."""
         self.text_config = text_config
         self.model_config = model_config
         self.cache_config = cache_config
@@ -197,6 +215,8 @@ class ModelRunner:
 
         cfg = text_config
         block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.kv_dtype)
+        if aux_hidden:  # the hidden-state store's rows and the EAGLE head's KV live at the same slots
+            block_bytes += self.block_size * (aux_hidden[1] * self.dtype.itemsize + aux_hidden[2])
         self.num_blocks = num_blocks_for(
             cache_config,
             platform=runner_config.platform,
@@ -222,6 +242,12 @@ class ModelRunner:
             param_shardings = param_shardings + self.lora.shardings
             lora_spec = (len(self.params), cfg.num_hidden_layers)
         cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
+        self.aux_layers = aux_hidden[0] if aux_hidden else ()
+        if aux_hidden:
+            store_sharding = sharding.replicated(self.mesh)
+            self.kv_caches.append(jax.device_put(
+                jnp.zeros((self.num_blocks * self.block_size, aux_hidden[1]), self.dtype), store_sharding))
+            cache_shardings = [*cache_shardings, store_sharding]
         batch_sharding = sharding.replicated(self.mesh)  # input ids and the whole AttentionMetadata
         logits_sharding = self._logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)
         # Every step's samples are padded to the largest S bucket: the next step reads them in one shape.
@@ -240,7 +266,9 @@ class ModelRunner:
         num_mm = 2 if self.vision is not None else 0  # (mm_fields, image pool)
         self._steps = {
             decode_only: jax.jit(
-                functools.partial(_forward, self.graphdef, self._treedef, self.max_rows, decode_only, lora_spec),
+                functools.partial(
+                    _forward, self.graphdef, self._treedef, self.max_rows, decode_only, lora_spec, self.aux_layers
+                ),
                 donate_argnums=1,
                 in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * (3 + num_mm),
                 out_shardings=(logits_sharding, batch_sharding, cache_shardings),
@@ -364,7 +392,7 @@ class ModelRunner:
             prev = jnp.asarray(x.prev_index)
             input_ids = jnp.where(prev >= 0, self._last_tokens[jnp.maximum(prev, 0)], jnp.asarray(x.input_ids))
             mm = _mm_kwargs(tuple(jnp.asarray(a) for a in self._mm_args(mm_fields)))
-            hidden, self.kv_caches = self._eager_model(input_ids, self.kv_caches, md, **mm)
+            hidden, self.kv_caches = run_model(self._eager_model, input_ids, self.kv_caches, md, self.aux_layers, **mm)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
             return _sample_padded(logits, sampling_md, self.max_rows)
         key = (x.input_ids.shape[0], x.block_tables.shape[1], decode_only)
@@ -461,6 +489,8 @@ class ModelRunner:
         }
         if self.lora_config is not None:  # only then, so that stores written without LoRA stay valid
             context["lora"] = repr(self.lora_config)  # the slot arrays' shapes follow from it; the token fields have 6 rows
+        if self.aux_layers:  # EAGLE: the steps also write the hidden-state store (absent: keys stay as before)
+            context["aux_layers"] = self.aux_layers
         return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)
 
     def _sampler_variants(self, shapes: list[tuple[int, int]]) -> list[tuple[tuple, Any]]:

@@ -173,17 +173,27 @@ class LlamaForCausalLM(nnx.Module):
         mrope_positions: jax.Array | None = None,  # [3, T] int32, required iff cfg.mrope_section
         inputs_embeds: jax.Array | None = None,  # [T, D]: used instead of embedding input_ids (images)
         lora: list[LoRABatch] | None = None,  # per layer: adapter slots and the tokens' slot mask (models/lora.py)
-    ) -> tuple[jax.Array, list[KVCache]]:  # (hidden [T, D], updated caches)
+        aux_layers: tuple[int, ...] = (),  # EAGLE: also return these hidden states (see below)
+    ):  # (hidden [T, D], updated caches), plus aux [T, len(aux_layers) * D] when aux_layers
+        """``aux_layers`` index the hidden states as Hugging Face's ``output_hidden_states`` does: i < L is the
+        input of layer i (0: the embeddings), L the final normed output. Their concatenation comes back third:
+        what an EAGLE head reads from the target (jaxserve.spec_decode.eagle)."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for a model of {len(self.model.layers)} layers")
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, D]
         cos, sin = self._rope(md.positions, mrope_positions)  # [T, Dh] each
-        new_caches = []
+        new_caches, taken = [], {}
         lora = lora if lora is not None else [None] * len(kv_caches)
-        for layer, kv, layer_lora in zip(self.model.layers, kv_caches, lora):
+        for i, (layer, kv, layer_lora) in enumerate(zip(self.model.layers, kv_caches, lora)):
+            if i in aux_layers:
+                taken[i] = x
             x, kv = layer(x, cos, sin, kv, md, layer_lora)
             new_caches.append(kv)
-        return self.model.norm(x), new_caches
+        out = self.model.norm(x)
+        if not aux_layers:
+            return out, new_caches
+        taken[len(self.model.layers)] = out
+        return out, new_caches, jnp.concatenate([taken[i] for i in aux_layers], axis=-1)
 
     def _rope(self, positions, mrope_positions) -> tuple[jax.Array, jax.Array]:
         # M-RoPE rotates by three position rows (Qwen2-VL); md.positions stays the 1-D cache position

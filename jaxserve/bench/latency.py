@@ -99,6 +99,8 @@ def measure(llm, work: list) -> dict:
             "total": 1e3 * steps["total_s"] / steps["steps"],
             "host": 1e3 * (steps["total_s"] - steps["wait_s"]) / steps["steps"],
             "wait": 1e3 * steps["wait_s"] / steps["steps"],
+            # with speculation: the proposer's round (host and its device wait), part of "host"
+            "propose": 1e3 * steps.get("propose_s", 0.0) / steps["steps"],
         },
         "input_len": len(work[0].prompt_token_ids), "output_len": work[0].output_len, "repeats": len(runs),
         "tokens_per_s": statistics.median(r[0] for r in runs),

@@ -55,6 +55,22 @@ SHAPES = {
         vision_config=dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, in_chans=3, hidden_size=3584,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
     ),
+    # EAGLE heads for the llama3-8b shape (speculative_config method "eagle" / "eagle3", --load-format dummy draws
+    # random weights of these shapes): one decoder layer of the 8B's widths. EAGLE-1 (as
+    # yuhuili/EAGLE-LLaMA3-Instruct-8B) scores with the target's lm_head; EAGLE-3 (as
+    # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B) with its own over a 32k draft vocabulary, reading 3 target layers.
+    "eagle-llama3-8b": dict(
+        architectures=["LlamaForCausalLMEagle"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
+        torch_dtype="bfloat16",
+    ),
+    "eagle3-llama3-8b": dict(
+        architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        draft_vocab_size=32000, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+        hidden_act="silu", torch_dtype="bfloat16",
+    ),
 }
 
 # Vision-language shapes: the tokenizer's special tokens at the config's ids (the prompt's image placeholders).

@@ -90,7 +90,7 @@ def measure(llm, output_len: int, repeats: int) -> dict:
         "loop_ms_per_step": {
             ("spec" if on else "plain"): {
                 "steps": t["steps"], "host": 1e3 * (t["total_s"] - t["wait_s"]) / t["steps"],
-                "wait": 1e3 * t["wait_s"] / t["steps"],
+                "wait": 1e3 * t["wait_s"] / t["steps"], "propose": 1e3 * t["propose_s"] / t["steps"],
             } for on, t in totals.items()
         },
         "speculative_config": dataclasses.asdict(spec.config), "output_len": output_len, "repeats": repeats,
@@ -105,8 +105,8 @@ def describe(res: dict) -> str:
         f"(identical tokens: {res['identical_tokens']})\n"
         f"acceptance rate {sd['acceptance_rate']:.3f}, mean acceptance length {sd['mean_acceptance_length']:.2f}, "
         f"per position " + " ".join(f"{a:.2f}" for a in sd["acceptance_rate_per_pos"]) + "\n"
-        + "; ".join(f"{name}: {v['host']:.2f} ms host + {v['wait']:.2f} ms waiting per step ({v['steps']} steps)"
-                    for name, v in loop.items())
+        + "; ".join(f"{name}: {v['host']:.2f} ms host (of which {v['propose']:.2f} proposing) + {v['wait']:.2f} ms "
+                    f"waiting per step ({v['steps']} steps)" for name, v in loop.items())
     )
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any, Optional, Union
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM spells the prompt-lookup method "ngram"; a draft model is picked by giving "model" (method "draft_model").
 _KEYS = (
     "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "forced_acceptance_length",
@@ -17,11 +17,12 @@ _KEYS = (
 class SpeculativeConfig:
     """What proposes, and how many tokens per step."""
 
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "eagle" | "eagle3"
     num_speculative_tokens: int  # k: proposals scored per sequence per step
     prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram to look up (default 1)
     prompt_lookup_max: int = 3  # ngram: longest, tried first (default max(3, prompt_lookup_min))
-    model: Optional[str] = None  # draft_model: path of the draft checkpoint (same tokenizer as the target)
+    # draft_model: path of the draft checkpoint (same tokenizer as the target); eagle / eagle3: of the EAGLE head
+    model: Optional[str] = None
     # Benchmarks only: every draft keeps min(this, its proposals) tokens whatever the target says, so the cost of
     # an acceptance length can be measured with dummy weights; "ngram" then pads its proposals to k (repeating the
     # last token), a proposer that costs nothing. The output is then NOT the model's.
@@ -51,8 +52,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known keys: {list(_KEYS)}")
         method = d.get("method") or ("draft_model" if d.get("model") else None)
         if method not in METHODS:
-            hint = " (eagle is not implemented yet)" if method == "eagle" else ""
-            raise ValueError(f"speculative_config method={method!r} is not supported{hint}: choose one of {METHODS}")
+            raise ValueError(f"speculative_config method={method!r} is not supported: choose one of {METHODS}")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(
@@ -75,6 +75,11 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config method='draft_model' needs 'model': the path of a smaller checkpoint with the "
                 "target's tokenizer"
+            )
+        if method in ("eagle", "eagle3") and not model:
+            raise ValueError(
+                f"speculative_config method={method!r} needs 'model': the directory of an EAGLE head checkpoint "
+                "trained for the target (config.json + weights)"
             )
         forced = d.get("forced_acceptance_length")
         if forced is not None and (not isinstance(forced, int) or not 0 <= forced <= k):

@@ -6,8 +6,10 @@ decides where every position lives, and no second allocator has to agree with it
 
 What the draft's cache holds is tracked per request (``_DraftState``): positions below ``valid`` hold the
 draft's KV of the request's real tokens. Each round first catches up (runs the tokens from ``valid`` to the
-last known one, in chunks of the draft's token budget; the last chunk's sample is proposal 0), then feeds
-proposal j at position N + j to get proposal j + 1. Positions N.. then hold proposals; after verification only
+last known one; the sample at the last one is proposal 0), then feeds proposal j at position N + j to get
+proposal j + 1. Both happen in one jitted program (``draft_program``): the host builds one batch and reads back
+one [S, k] array per round; only a catch-up longer than the token budget (a prompt) first runs its leading
+chunks as plain steps of the draft's runner. Positions N.. then hold proposals; after verification only
 those equal to the tokens the target accepted stay valid (the prefix of proposals matching the sequence), so
 the draft's cache is consistent after any rejection. A rejected proposal's slot may be handed to another
 request, but positions counted valid are never among them (they lie before the target's computed length).
@@ -19,9 +21,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import jax
+import numpy as np
+
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import ScheduledSeq, SchedulerOutput
+from jaxserve.spec_decode.draft_program import DraftPrograms, round_inputs
+from jaxserve.spec_decode.fed_rounds import FedPrograms, FedRoundsMixin
 
 logger = logging.getLogger("jaxserve")
 
@@ -36,9 +43,11 @@ class _DraftState:
     fed: list = dataclasses.field(default_factory=list)  # proposals whose KV the draft wrote (all but the last)
 
 
-class DraftProposer:
-    def __init__(self, runner, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+class DraftProposer(FedRoundsMixin):
+    def __init__(self, runner, max_num_batched_tokens: int, max_num_seqs: int, k: int) -> None:
         self.runner = runner  # the draft's ModelRunner
+        self.programs = DraftPrograms(runner, k)  # the fused proposal programs (catch-up + k - 1 decodes)
+        self.fed = FedPrograms(self.programs, k)  # rounds fed by the verify step on the device (fed_rounds)
         self.budget = max_num_batched_tokens
         self.max_seqs = max_num_seqs
         self._states: dict[str, _DraftState] = {}
@@ -87,49 +96,83 @@ class DraftProposer:
         )
         sc = target_runner.scheduler_config
         runner = ModelRunner(model, text_config, draft_mc, cache, sc, rc, mesh=mesh)
-        runner.warmup(progress=progress)
-        logger.info("draft model %s: %d KV blocks (the target's layout)", path, runner.num_blocks)
-        return cls(runner, sc.max_num_batched_tokens, sc.max_num_seqs)
+        runner.warmup(progress=progress)  # its plain steps: the chunks of a long catch-up (a prompt)
+        proposer = cls(runner, sc.max_num_batched_tokens, sc.max_num_seqs, config.num_speculative_tokens)
+        seconds = proposer.programs.warmup() + proposer.fed.warmup()
+        logger.info("draft model %s: %d KV blocks (the target's layout), %d proposal programs compiled in %.1fs",
+                    path, runner.num_blocks, len(proposer.programs.shapes()) + len(proposer.fed.shapes()), seconds)
+        return proposer
 
-    def propose(self, requests: list[Request], k: int, kv) -> None:
+    def _steady(self, seq: ScheduledSeq, r: Request) -> bool:
+        """The draft cache is as the last round left it, for exactly these proposals: real tokens below N, then
+        the proposals it fed, which the verified ones start with."""
+        st = self._states.get(r.request_id)
+        n = seq.start_pos + 1
+        verified = seq.token_ids[1:]
+        m = min(len(verified), len(st.fed)) if st is not None else 0
+        return (st is not None and st.num_preemptions == r.num_preemptions and st.valid == st.proposal_start == n
+                and verified[:m] == st.fed[:m])
+
+    def _num_fed(self, r: Request) -> int:
+        return len(self._states[r.request_id].fed)
+
+    def _record_fed(self, r: Request, proposals: list[int], blocks: list[int], kv) -> bool:
+        """As an ordinary round would: slots up to N + k - 2. The proposals it fed keep their KV only if the
+        request holds the blocks the round wrote them through (free_tail may have handed them on)."""
+        k = len(proposals)
+        if not kv.allocate_slots(r, k):
+            return False
+        n = -(-(r.num_tokens + k - 1) // self.runner.block_size)
+        kept = list(kv.get_block_ids(r)[:n]) == blocks[:n]
+        self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens,
+                                                 proposals[:-1] if kept else [])
+        return True
+
+    def _record(self, r: Request, proposals: list[int]) -> None:
+        self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens, proposals[:-1])
+
+    def propose(self, requests: list[Request], k: int, kv, live: list[Request] | None = None) -> None:
         """Set ``spec_token_ids`` (k greedy draft tokens) on each request that has room for them."""
-        live = {r.request_id for r in requests}
+        if k != self.programs.k:
+            raise ValueError(f"the draft's programs were built for k={self.programs.k}, not k={k}")
+        live = {r.request_id for r in (requests if live is None else live)}
         self._states = {rid: s for rid, s in self._states.items() if rid in live}
         todo = []
+        last_position = self.runner.max_blocks_per_seq * self.runner.block_size - 1
         for r in requests:
             # Slots up to position N + k - 2 (proposal j is fed at N + j, j < k - 1); the target's verify step
-            # needs the same ones, so this only moves its allocation earlier.
-            if not kv.allocate_slots(r, k):
+            # needs the same ones, so this only moves its allocation earlier. Near max_model_len: no proposals.
+            if r.num_tokens + k - 2 > last_position or not kv.allocate_slots(r, k):
                 continue
             todo.append((r, self._valid(r), kv.get_block_ids(r)))
         if not todo:
             return
-        # The usual round needs no read-back until the end: one catch-up step (each request's few new tokens),
-        # then k-1 one-token steps, dispatched back to back, each taking its input token on the device from the
-        # step before (the runner's placeholders). Only a long catch-up (a prompt) runs in chunks first.
-        single = sum(r.num_tokens - valid for r, valid, _ in todo) <= self.budget and len(todo) <= self.max_seqs
-        handles, proposals = [], {r.request_id: [] for r, _, _ in todo}
-        if single:
-            seqs = [_seq(r, r.all_token_ids[valid:], valid, blocks) for r, valid, blocks in todo]
-            handles.append(self._dispatch(seqs))
-        else:
-            proposals = self._catch_up(todo)
-        for j in range(1, k):
-            seqs = []
+        cursor = self._prefill_until_fits(todo)
+        # One program: every request's remaining catch-up, then k - 1 decode steps on the device; one read-back.
+        seqs = [_seq(r, r.all_token_ids[cursor[i]:], cursor[i], blocks) for i, (r, _, blocks) in enumerate(todo)]
+        ends = [r.num_tokens + k - 1 for r, _, _ in todo]  # positions the round writes, per request
+        x = round_inputs(seqs, ends, [blocks for _, _, blocks in todo], self.runner, self.max_seqs)
+        proposals = np.asarray(jax.device_get(self.programs(x)))[: len(todo)]  # [n, k]
+        for (r, _, _), row in zip(todo, proposals.tolist()):
+            r.spec_token_ids = row
+            self._record(r, row)
+
+    def _prefill_until_fits(self, todo) -> list[int]:
+        """Run long catch-ups (prompts) in plain chunked steps through the runner until every request's rest fits
+        one batch of the draft's token budget; each keeps at least its last token for the fused program.
+        Returns each request's catch-up start. The steps are only dispatched: the cache orders them."""
+        cursor = [valid for _, valid, _ in todo]
+        while sum(r.num_tokens - c for (r, _, _), c in zip(todo, cursor)) > self.budget:
+            seqs, budget = [], self.budget
             for i, (r, _, blocks) in enumerate(todo):
-                on_device = single or j > 1
-                seq = _seq(r, [-1 if on_device else proposals[r.request_id][0]], r.num_tokens + j - 1, blocks)
-                if on_device:
-                    seq.num_placeholders, seq.prev_row = 1, i
-                seqs.append(seq)
-            handles.append(self._dispatch(seqs))
-        for handle in handles:
-            for (r, _, _), token in zip(todo, self.runner.fetch(handle).sampled_token_ids):
-                proposals[r.request_id].append(token)
-        for r, _, _ in todo:
-            r.spec_token_ids = proposals[r.request_id]
-            self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens,
-                                                     proposals[r.request_id][:-1])
+                take = min(r.num_tokens - 1 - cursor[i], budget)
+                if take <= 0 or len(seqs) == self.max_seqs:
+                    continue
+                seqs.append(_seq(r, r.all_token_ids[cursor[i] : cursor[i] + take], cursor[i], blocks, sample=False))
+                cursor[i] += take
+                budget -= take
+            self._dispatch(seqs)
+        return cursor
 
     def _valid(self, r: Request) -> int:
         """How many leading positions of the draft cache hold this request's real tokens now."""
@@ -142,31 +185,8 @@ class DraftProposer:
             matched += 1
         return min(s.valid + matched, r.num_tokens - 1)
 
-    def _catch_up(self, todo) -> dict[str, list[int]]:
-        """Run every request's tokens from its valid length to its last token, in steps within the draft's
-        budget; the sample at the last token is proposal 0."""
-        cursor = {r.request_id: valid for r, valid, _ in todo}
-        proposals: dict[str, list[int]] = {}
-        while len(proposals) < len(todo):
-            seqs, budget = [], self.budget
-            for r, _, blocks in todo:
-                start = cursor[r.request_id]
-                if r.request_id in proposals or budget <= 0 or len(seqs) == self.max_seqs:
-                    continue
-                end = min(r.num_tokens, start + budget)
-                seqs.append(_seq(r, r.all_token_ids[start:end], start, blocks, sample=end == r.num_tokens))
-                budget -= end - start
-                cursor[r.request_id] = end
-            for seq, token in zip(seqs, self._run(seqs)):
-                if seq.sample:
-                    proposals[seq.req_id] = [token]
-        return proposals
-
     def _dispatch(self, seqs: list[ScheduledSeq]):
         return self.runner.dispatch(SchedulerOutput(seqs=seqs, num_batched_tokens=sum(len(s.token_ids) for s in seqs)))
-
-    def _run(self, seqs: list[ScheduledSeq]) -> list[int]:
-        return self.runner.fetch(self._dispatch(seqs)).sampled_token_ids
 
 
 def _seq(r: Request, token_ids: list[int], start: int, blocks: list[int], sample: bool = True) -> ScheduledSeq:

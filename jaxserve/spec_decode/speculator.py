@@ -1,12 +1,15 @@
 """Speculator: what the engine holds when speculative decoding is on (proposer + verify step + statistics).
 
 The loop with speculation runs one step at a time (schedule, verify, read back, propose): the next step's
-proposals depend on which tokens this step accepted, so it cannot be dispatched before this one is read.
+proposals depend on which tokens this step accepted, so it cannot be dispatched before this one is read. A
+draft model's or EAGLE head's next round, though, is dispatched right behind the verify step in the steady
+state, fed by its tokens on the device (``fed_rounds``), so the host's work on the step's tokens overlaps it.
 Without ``speculative_config`` the asynchronous loop is unchanged.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from jaxserve.request import Request, RequestStatus
@@ -25,14 +28,31 @@ class Speculator:
         self.ngram = None
         if config.method == "ngram":
             self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.draft = draft  # a DraftProposer for method "draft_model"
+        self.draft = draft  # a DraftProposer ("draft_model") or an EagleProposer ("eagle", "eagle3")
         self.stats = SpecDecodeStats(self.k)
+        self._fed = None  # (FedRound, emitted per row): a proposal round dispatched behind the verify step
+        self.num_fed_rounds = 0
+        # Fed rounds (fed_rounds.py) by default on accelerators only: on CPU the host's work cannot overlap the
+        # device's (the same cores), and a fed catch-up takes the verify step's token bucket (16 for k = 4), not
+        # its own (4 for 1-2 tokens), which costs CPU matmuls real time. JAXSERVE_SPEC_FED=1 / 0 forces them.
+        forced = os.environ.get("JAXSERVE_SPEC_FED")
+        self.fed_rounds = runner.runner_config.platform != "cpu" if forced is None else forced != "0"
 
-    def dispatch(self, sched: SchedulerOutput):
-        return self.verifier.dispatch(sched)
+    def dispatch(self, sched: SchedulerOutput, kv=None):
+        """The verify step; with a draft model or an EAGLE head and ``kv`` (the block manager), in the steady state
+        also the next proposal round, fed on the device by the verify step's tokens (spec_decode.fed_rounds)."""
+        handle = self.verifier.dispatch(sched)
+        self._fed = None
+        if kv is not None and self.fed_rounds and hasattr(self.draft, "dispatch_fed"):
+            fed = self.draft.dispatch_fed(sched, handle, kv)
+            self._fed = None if fed is None else (fed, None)
+            self.num_fed_rounds += fed is not None
+        return handle
 
     def fetch(self, sched: SchedulerOutput, handle) -> ModelRunnerOutput:
         out = self.verifier.fetch(handle)
+        if self._fed is not None:
+            self._fed = (self._fed[0], [len(e) for e in out.emitted_token_ids])
         for row, seq in enumerate(sched.seqs):
             if seq.num_spec_tokens and not sched.requests[row].is_finished:
                 self.stats.record(seq.num_spec_tokens, len(out.emitted_token_ids[row]) - 1)
@@ -47,7 +67,13 @@ class Speculator:
                 proposal = self.ngram.propose(r.all_token_ids, self.k)
                 r.spec_token_ids = (proposal + [r.all_token_ids[-1]] * self.k)[: self.k] if pad else proposal
         elif self.draft is not None:
-            self.draft.propose(eligible, self.k, kv)
+            if self._fed is not None:
+                fed, emitted = self._fed
+                self._fed = None
+                rest = self.draft.apply_fed(fed, eligible, emitted, kv)
+                self.draft.propose(rest, self.k, kv, live=eligible)
+            else:
+                self.draft.propose(eligible, self.k, kv)
 
 
 def _may_speculate(r: Request) -> bool:

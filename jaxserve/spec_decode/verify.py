@@ -12,32 +12,49 @@ own step unchanged.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import logging
+import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve import buckets
 from jaxserve.batch_builder import build_step_inputs
-from jaxserve.model_runner import ModelRunner, pack_inputs, unpack_inputs
+from jaxserve.model_runner import ModelRunner, _dummy_inputs, pack_inputs, run_model, unpack_inputs
 from jaxserve.sampler import _with_logprobs
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.spec_decode.rejection import accept
 
+logger = logging.getLogger("jaxserve")
 
-def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec, md):
-    """(params, cache, packed batch, spec_rows [4, R], num_spec [S], md of R rows) ->
-    (tokens [S, K+1], num_emitted [S], logprob outputs of the R rows or None, new cache)."""
+
+def _verify(graphdef, treedef, k, forced, aux_layers, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec):
+    """(params, cache, packed batch, spec_rows [4, R], num_spec [S]) -> (logits [R, V] f32, greedy tokens
+    [S, K+1], greedy num_emitted [S], new cache).
+
+    The greedy acceptance is computed here, inside the model's program: an all-greedy batch (the common case)
+    then needs no second program. Sampled rows and logprobs take ``_accept`` over the logits."""
     input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, kv_caches = model(input_ids, kv_caches, attn_md)  # [T, E]
+    hidden, kv_caches = run_model(model, input_ids, kv_caches, attn_md, aux_layers)  # [T, E]
     logits = model.compute_logits(hidden[spec_rows[0]])  # [R, V] f32: only the positions that score something
+    greedy_md = SamplingMetadata.from_seqs([], spec_rows.shape[1])
+    tokens, num_emitted, _ = accept(logits, spec_rows[1:], num_spec, greedy_md, k, forced)
+    return logits, tokens, num_emitted, kv_caches
+
+
+def _accept(k, forced, logits, spec_rows, num_spec, md):
+    """The sampled / logprobs acceptance: (tokens [S, K+1], num_emitted [S], logprob outputs or None)."""
     tokens, num_emitted, emitted = accept(logits, spec_rows[1:], num_spec, md, k, forced)
     lp = _with_logprobs(logits, emitted) if md.needs_logprobs else None
-    return tokens, num_emitted, lp, kv_caches
+    return tokens, num_emitted, lp
 
 
 @dataclasses.dataclass
@@ -47,6 +64,7 @@ class VerifyHandle:
     logprobs: object  # SamplerOutput of the R logits rows, or None
     row_start: np.ndarray  # [S_real]: each sequence's first logits row
     num_rows: int
+    num_tokens: int = 0  # T: the step's token bucket
 
 
 class VerifyRunner:
@@ -55,8 +73,14 @@ class VerifyRunner:
     def __init__(self, runner: ModelRunner, k: int, forced_acceptance_length: int | None = None) -> None:
         self.runner = runner
         self.k = k
-        verify = functools.partial(_verify, runner.graphdef, runner._treedef, k, forced_acceptance_length)
+        verify = functools.partial(
+            _verify, runner.graphdef, runner._treedef, k, forced_acceptance_length, runner.aux_layers
+        )
         self._step = jax.jit(verify, donate_argnums=1)
+        self._accept = jax.jit(functools.partial(_accept, k, forced_acceptance_length))
+        self._programs: dict[tuple[int, int, int], object] = {}  # (T, B, R) -> compiled verify step
+        self.num_lazy_compiles = 0
+        self._min_tokens = buckets.pick(runner.token_buckets, min(k + 1, runner.token_buckets[-1]))
 
     def dispatch(self, sched: SchedulerOutput):
         """Launch the step; without any proposal in it, the runner's own step (its output has one token a row)."""
@@ -64,13 +88,16 @@ class VerifyRunner:
             return self.runner.dispatch(sched)
         r = self.runner
         t, s, b = r._shapes_for(sched)[:3]  # a verify step is never decode-only (main's 4th value)
+        if t < self._min_tokens:  # proposals cut short (max_tokens): pad to the full program's bucket (CPU only)
+            t = self._min_tokens
+            s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
         x = build_step_inputs(
             sched.seqs, num_tokens_padded=t, num_seqs_padded=s, block_width=b, block_size=r.block_size,
             num_blocks=r.num_blocks,
         )
         counts = np.array([seq.num_spec_tokens + 1 for seq in sched.seqs], np.int32)  # logits rows per sequence
         row_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)  # [S_real]
-        num_rows = _row_bucket(int(counts.sum()))
+        num_rows = self.rows_for(t)  # >= counts.sum(): at most T tokens, at most 1 + k per sequence
         # [4, R]: token index in the flat batch | proposal scored there (-1: none) | sequence | position j.
         spec_rows = np.zeros((4, num_rows), np.int32)
         spec_rows[1] = -1
@@ -85,11 +112,57 @@ class VerifyRunner:
             spec_rows[3, r0 : r0 + n + 1] = np.arange(n + 1)
             num_spec[i] = n
         md = _rows_metadata(SamplingMetadata.from_seqs(sched.seqs, s, r._history_len(sched)), counts, num_rows)
-        tokens, num_emitted, lp, r.kv_caches = self._step(
-            r.params, r.kv_caches, *pack_inputs(x), spec_rows, num_spec, md
-        )
+        args = (*pack_inputs(x), spec_rows, num_spec)
+        program = self._programs.get((t, b, num_rows))
+        if program is None:
+            logger.info("compiling verify step tokens=%d ctx=%d rows=%d on first use", t, b * r.block_size, num_rows)
+            self.num_lazy_compiles += 1
+            program = self._programs[(t, b, num_rows)] = self._step.lower(r.params, r.kv_caches, *args).compile()
+        logits, tokens, num_emitted, r.kv_caches = program(r.params, r.kv_caches, *args)
+        lp = None
+        if not md.plain_greedy:
+            tokens, num_emitted, lp = self._accept(logits, spec_rows, num_spec, md)
         r.num_steps += 1
-        return VerifyHandle(tokens, num_emitted, lp, row_start, len(sched.seqs))
+        return VerifyHandle(tokens, num_emitted, lp, row_start, len(sched.seqs), t)
+
+    def rows_for(self, t: int) -> int:
+        """Logits rows R of a verify step of T tokens: one per token the step could score (every sequence's
+        1 + k), a power of two, at most T. R depends on T alone, so the verify programs are one per (T, B), as
+        the runner's; a step scoring fewer rows computes a few more logits than it needs (at T = 16, k = 4: 16
+        rows for 5), which a step of T tokens easily affords."""
+        s = buckets.seq_bucket_for(t, self.runner.scheduler_config.max_num_seqs)
+        return _row_bucket(min(t, s * (self.k + 1)))
+
+    def startup_shapes(self) -> list[tuple[int, int, int]]:
+        """(T, B, R) to compile at start-up: the runner's start-up (T, B) with room for a proposal ("all", the
+        accelerators' default); "common" (CPU, where each compile costs seconds): the single stream's steady
+        state only, one sequence of 1 + k tokens at the shortest context. Others compile on first use."""
+        r = self.runner
+        policy = r.runner_config.precompile
+        if policy == "common":
+            shapes = [(self._min_tokens, r.width_buckets[0])]
+        else:
+            shapes = [(t, b) for t, b in buckets.startup_shapes(r.token_buckets, r.width_buckets, policy) if t >= 2]
+        return [(t, b, self.rows_for(t)) for t, b in shapes]
+
+    def warmup(self) -> float:
+        """Compile the start-up verify steps side by side (XLA compiles without the GIL); returns seconds. The
+        sampled-acceptance programs (small) compile on first use."""
+        start, r = time.perf_counter(), self.runner
+        lowered = {}
+        for t, b, n in self.startup_shapes():
+            s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
+            x = _dummy_inputs(t, s, b, r.num_blocks * r.block_size)
+            rows = np.zeros((4, n), np.int32)
+            rows[1], rows[2] = -1, s
+            args = (*pack_inputs(x), rows, np.zeros(s, np.int32))
+            lowered[(t, b, n)] = self._step.lower(r.params, r.kv_caches, *args)
+        workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
+            jobs = {shape: pool.submit(low.compile) for shape, low in lowered.items()}
+            for shape, job in jobs.items():
+                self._programs[shape] = job.result()
+        return time.perf_counter() - start
 
     def fetch(self, handle) -> ModelRunnerOutput:
         """Read a step back: ``emitted_token_ids`` per row (a plain step's one token becomes a list of one)."""
@@ -118,7 +191,7 @@ class VerifyRunner:
 
 
 def _row_bucket(n: int) -> int:
-    """Logits rows, padded to a power of two (one compiled verify step per (T, B, R))."""
+    """Logits rows, padded to a power of two."""
     return 1 << max(0, (n - 1).bit_length())
 
 

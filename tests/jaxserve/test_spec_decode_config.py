@@ -20,7 +20,8 @@ def test_parse_dict_and_json():
 
 @pytest.mark.parametrize("value, message", [
     ({"method": "medusa", "num_speculative_tokens": 2}, r"method='medusa' is not supported.*'ngram', 'draft_model'"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, r"eagle is not implemented"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"method=.eagle. needs .model.: the directory of an EAGLE head"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, r"method=.eagle3. needs .model."),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens=0 is invalid: give an integer >= 1"),
     ({"method": "ngram"}, r"num_speculative_tokens=None is invalid"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -80,5 +81,6 @@ def test_bench_spec_decode_parses_and_describes():
     assert ns.output_len == 50 and SpeculativeConfig.parse(ns.speculative_config).method == "ngram"
     res = {"spec_tokens_per_s": 60.0, "plain_tokens_per_s": 35.0, "speedup": 60 / 35, "identical_tokens": True,
            "spec_decode": {"acceptance_rate": 0.6, "mean_acceptance_length": 2.9, "acceptance_rate_per_pos": [0.7]},
-           "loop_ms_per_step": {"spec": {"host": 5.0, "wait": 37.0, "steps": 3}}}
+           "loop_ms_per_step": {"spec": {"host": 5.0, "propose": 2.0, "wait": 37.0, "steps": 3}}}
     assert "1.71x" in describe(res) and "mean acceptance length 2.90" in describe(res)
+    assert "5.00 ms host (of which 2.00 proposing)" in describe(res)

@@ -22,7 +22,9 @@ def _ids(n, seed=0):
 
 def _engine(draft_variant, **kw):
     spec = {"method": "draft_model", "model": checkpoint(draft_variant), "num_speculative_tokens": K}
-    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none", **kw))
+    llm = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none", **kw))
+    llm.llm_engine.speculator.fed_rounds = True  # on CPU off by default (spec_decode.speculator): test them
+    return llm
 
 
 def _generate(llm, prompts, params, speculate=True):
@@ -55,31 +57,41 @@ def _run_exact(llm):
 
 
 def test_draft_equal_to_target_accepts_everything_and_is_exact(llm):
-    stats = llm.llm_engine.speculator.stats
+    spec = llm.llm_engine.speculator
+    fed, stats = spec.num_fed_rounds, spec.stats
     _run_exact(llm)
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert spec.num_fed_rounds > fed  # rounds dispatched behind the verify step (spec_decode.fed_rounds)
 
 
 def test_greedy_exact_when_proposals_are_rejected(llm):
     """Corrupt one proposal of most drafts after the draft made them (its cache holds the real ones): the target
     rejects there, the draft must carry on from a cache that is right only up to the accepted tokens."""
     draft = llm.llm_engine.speculator.draft
-    propose, calls = draft.propose, [0]
+    propose, apply_fed, calls = draft.propose, draft.apply_fed, [0]
 
-    def corrupting(requests, k, kv):
-        propose(requests, k, kv)
+    def corrupt(requests):
         for r in requests:
             calls[0] += 1
             if r.spec_token_ids and calls[0] % 4:
                 r.spec_token_ids[calls[0] % len(r.spec_token_ids)] ^= 1
 
+    def corrupting(requests, k, kv, **kw):
+        propose(requests, k, kv, **kw)
+        corrupt(requests)
+
+    def corrupting_fed(fed, requests, emitted, kv):  # proposals of rounds fed by the verify step too
+        rest = apply_fed(fed, requests, emitted, kv)
+        corrupt([r for r in requests if r not in rest])
+        return rest
+
     stats = llm.llm_engine.speculator.stats
     rejected = stats.num_draft_tokens - stats.num_accepted_tokens
-    draft.propose = corrupting
+    draft.propose, draft.apply_fed = corrupting, corrupting_fed
     try:
         _run_exact(llm)
     finally:
-        draft.propose = propose
+        draft.propose, draft.apply_fed = propose, apply_fed
     assert stats.num_draft_tokens - stats.num_accepted_tokens > rejected + 10
 
 
@@ -103,6 +115,7 @@ def test_draft_cache_consistent_after_rejections(llm):
         compared += len(running)
     stats = engine.speculator.stats
     assert compared > 5 and stats.num_draft_tokens - stats.num_accepted_tokens > rejected_before
+    assert engine.speculator.num_fed_rounds > 0
 
 
 def test_draft_with_another_vocabulary_is_refused():
