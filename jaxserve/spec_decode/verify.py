@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.batch_builder import build_step_inputs
+from jaxserve.kv_scale_calibration import with_kv_scales
 from jaxserve.model_runner import ModelRunner, pack_inputs, unpack_inputs
 from jaxserve.sampler import _with_logprobs
 from jaxserve.sampling_metadata import SamplingMetadata
@@ -28,11 +29,15 @@ from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.spec_decode.rejection import accept
 
 
-def _verify(graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec, md):
-    """(params, cache, packed batch, spec_rows [4, R], num_spec [S], md of R rows) ->
-    (tokens [S, K+1], num_emitted [S], logprob outputs of the R rows or None, new cache)."""
+def _verify(
+    graphdef, treedef, k, forced, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec, md, kv_scales=None
+):
+    """(params, cache, packed batch, spec_rows [4, R], num_spec [S], md of R rows, the runner's traced fp8 scales
+    or None) -> (tokens [S, K+1], num_emitted [S], logprob outputs of the R rows or None, new cache)."""
     input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    if kv_scales is not None:  # calculate_kv_scales (jaxserve/kv_scale_calibration.py)
+        with_kv_scales(model, kv_scales)
     hidden, kv_caches = model(input_ids, kv_caches, attn_md)  # [T, E]
     logits = model.compute_logits(hidden[spec_rows[0]])  # [R, V] f32: only the positions that score something
     tokens, num_emitted, emitted = accept(logits, spec_rows[1:], num_spec, md, k, forced)
@@ -86,7 +91,7 @@ class VerifyRunner:
             num_spec[i] = n
         md = _rows_metadata(SamplingMetadata.from_seqs(sched.seqs, s, r._history_len(sched)), counts, num_rows)
         tokens, num_emitted, lp, r.kv_caches = self._step(
-            r.params, r.kv_caches, *pack_inputs(x), spec_rows, num_spec, md
+            r.params, r.kv_caches, *pack_inputs(x), spec_rows, num_spec, md, r._kv_scales_arr
         )
         r.num_steps += 1
         return VerifyHandle(tokens, num_emitted, lp, row_start, len(sched.seqs))
