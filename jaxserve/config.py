@@ -106,7 +106,8 @@ class EngineArgs:
         if str(self.kv_cache_dtype).replace("-", "_") not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"choose one of {KV_CACHE_DTYPES} (fp8 is fp8_e4m3)")
         if self.calculate_kv_scales and str(self.kv_cache_dtype).replace("-", "_") == "auto":
-            raise bad("calculate_kv_scales", "scales exist only for an fp8 cache: set kv_cache_dtype='fp8' too, or leave it off")
+            want = "scales exist only for an fp8 cache: set kv_cache_dtype='fp8' too, or leave it off"
+            raise bad("calculate_kv_scales", want)
         if self.precompile not in PRECOMPILE:
             raise bad("precompile", f"choose one of {PRECOMPILE}")
         if self.load_format not in LOAD_FORMATS:

@@ -29,7 +29,7 @@ measured amax is clipped (never inf/NaN).
 from __future__ import annotations
 
 import functools
-import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,6 @@ from flax import nnx
 from jaxserve.models.packed_attention import packed_causal_attention
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 
-logger = logging.getLogger("jaxserve")
 
 
 def attention_modules(model) -> list:
@@ -85,14 +84,10 @@ def _calibrate(graphdef, treedef, params, input_ids, md: AttentionMetadata) -> j
     return jnp.stack([jnp.stack(kv) for kv in amaxes])  # [L, 2]
 
 
-@functools.lru_cache(maxsize=None)
-def _calibrate_jit(graphdef, treedef):
-    return jax.jit(functools.partial(_calibrate, graphdef, treedef))
-
-
 def calibrate(graphdef, treedef, params, input_ids: jax.Array, md: AttentionMetadata) -> jax.Array:
-    """Per-layer (amax|K|, amax|V|) [L, 2] float32 of one batch of prompts that all start at position 0."""
-    return _calibrate_jit(graphdef, treedef)(params, input_ids, md)
+    """Per-layer (amax|K|, amax|V|) [L, 2] float32 of one batch of prompts that all start at position 0.
+    Runs once per engine, so it is compiled for this one shape and not kept."""
+    return jax.jit(functools.partial(_calibrate, graphdef, treedef))(params, input_ids, md)
 
 
 def scales_from_amax(amax, kv_dtype) -> list[tuple[float, float]]:
@@ -100,5 +95,5 @@ def scales_from_amax(amax, kv_dtype) -> list[tuple[float, float]]:
     big = float(jnp.finfo(kv_dtype).max)
     out = []
     for k, v in jax.device_get(amax).tolist():
-        out.append(tuple(float(a) / big if a > 0 and jnp.isfinite(a) else 1.0 for a in (k, v)))
+        out.append(tuple(float(a) / big if 0 < a < math.inf else 1.0 for a in (k, v)))
     return out

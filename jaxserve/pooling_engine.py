@@ -291,7 +291,8 @@ class PoolingEngine:
             batch = self.scheduler.schedule()
             if not batch:
                 break
-            self._in_flight.append(([r for r, _ in batch], runner.dispatch([(r.prompt_token_ids, at) for r, at in batch])))
+            handle = runner.dispatch([(r.prompt_token_ids, at) for r, at in batch])
+            self._in_flight.append(([r for r, _ in batch], handle))
             self.num_prompt_tokens += sum(len(r.prompt_token_ids) for r, _ in batch)
         outputs = [out for flight in previous for out in self._finish(*flight)]
         if not self.args.async_scheduling:

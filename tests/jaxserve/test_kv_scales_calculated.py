@@ -36,7 +36,9 @@ def _loud_model() -> str:
     return path
 
 
-def _first_token_logprobs(**kw) -> list[dict[int, float]]:
+@functools.lru_cache(maxsize=None)
+def _run(**kw) -> tuple[list[dict[int, float]], LLM]:
+    """Each generated position's top-20 logprobs, and the LLM."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 500, size=n).tolist() for n in (5, 19, 40)]  # 40 > the 32-token budget: chunked
     llm = LLM(_loud_model(), **small_engine_kwargs(max_model_len=64, precompile="none", **kw))
@@ -57,9 +59,11 @@ def _distance(base: list[dict], other: list[dict]) -> float:
 
 
 def test_calculated_scales_beat_scale_one_on_large_kv():
-    base, _ = _first_token_logprobs()  # float32 cache
-    plain, _ = _first_token_logprobs(kv_cache_dtype="fp8")  # scale 1.0: K/V clipped to +-448
-    calc, llm = _first_token_logprobs(kv_cache_dtype="fp8", calculate_kv_scales=True)
+    base, _ = _run()  # float32 cache
+    plain, plain_llm = _run(kv_cache_dtype="fp8")  # scale 1.0: K/V clipped to +-448
+    # Off: no traced scales, no calibration: the steps are the static-scale programs.
+    assert plain_llm.llm_engine.runner._kv_scales_arr is None and not plain_llm.llm_engine.runner.calculate_kv_scales
+    calc, llm = _run(kv_cache_dtype="fp8", calculate_kv_scales=True)
     scales = llm.llm_engine.runner.kv_scales
     # amax / 448 with |K|, |V| of order BIG: scales well above 1, per layer, K and V apart.
     assert len(scales) == 2 and all(k > 1 and v > 1 for k, v in scales), scales
@@ -90,3 +94,12 @@ def test_scales_from_amax():
     amax = np.array([[448.0, 896.0], [0.0, 1.0]], np.float32)
     assert scales_from_amax(amax, jnp.float8_e4m3fn) == [(1.0, 2.0), (1.0, 1 / 448)]  # all-zero layer: 1.0
     assert scales_from_amax(amax, jnp.float8_e5m2)[0] == (448 / 57344, 896 / 57344)
+
+
+@pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs 2 devices (conftest fakes 8 CPU devices)")
+def test_calculated_scales_under_tensor_parallelism():
+    """TP=2 calibrates on the sharded model to the same scales and serves the same tokens as TP=1."""
+    one, llm1 = _run(kv_cache_dtype="fp8", calculate_kv_scales=True)
+    two, llm2 = _run(kv_cache_dtype="fp8", calculate_kv_scales=True, tensor_parallel_size=2)
+    np.testing.assert_allclose(llm2.llm_engine.runner.kv_scales, llm1.llm_engine.runner.kv_scales, rtol=1e-5)
+    assert [max(d, key=d.get) for d in two] == [max(d, key=d.get) for d in one]
