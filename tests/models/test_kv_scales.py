@@ -108,3 +108,22 @@ def test_checkpoint_without_scales_converts_to_none(tmp_path):
         json.dump(meta, f)
     model, _ = load_model(out, "orbax", dtype=jnp.float32, attention_fn=get_attention_fn("xla", "cpu"))
     assert all((m.self_attn.k_scale, m.self_attn.v_scale) == (1.0, 1.0) for m in model.model.layers)
+
+
+def test_gguf_has_no_scales_and_serves_fp8(tmp_path):
+    """llama.cpp's GGUF files carry no per-layer KV scales: the model loads with 1.0 everywhere and an fp8 cache
+    (or calculate_kv_scales) works over it."""
+    pytest.importorskip("gguf")
+    from engine_fixtures import small_engine_kwargs
+    from tiny_gguf import write_gguf_from_hf
+
+    from jaxserve import LLM, SamplingParams
+
+    path = str(write_gguf_from_hf(checkpoint("llama_gqa"), tmp_path / "tiny.gguf"))
+    kw = small_engine_kwargs(max_model_len=64, kv_cache_dtype="fp8", precompile="none", calculate_kv_scales=True)
+    llm = LLM(path, **kw)
+    assert llm.llm_engine.runner.kv_scales == [(1.0, 1.0)] * 2  # none in the file
+    out = llm.generate([{"prompt_token_ids": [0, 5, 9, 200]}], SamplingParams(temperature=0, max_tokens=2),
+                       use_tqdm=False)  # fmt: skip
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert all(0 < k < 1 and 0 < v < 1 for k, v in llm.llm_engine.runner.kv_scales)  # |K|, |V| < 448 here
