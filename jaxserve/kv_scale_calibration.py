@@ -9,7 +9,7 @@ How, so that the scales are in place before any KV is written in fp8:
 
 1. The engine's first step is made only of prompts starting at position 0 (nothing is cached yet), so each
    token's context is this step's own tokens of its sequence. ``calibrate`` runs the model's forward once on
-   that batch with the cache-free ``packed_causal_attention`` swapped in for each layer's attention (a
+   that batch with a cache-free causal attention (``_amax_attention``) swapped in for each layer's (a
    fresh, local copy of the model inside the trace: the serving graph is not touched), which instead of
    pages returns the layer's amax of K and V over the real (non-padding) tokens: ``[L, 2]`` float32.
 2. The runner turns them into scales and hands them to every later step as one small replicated array
@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models.packed_attention import packed_causal_attention
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 
 
@@ -54,24 +53,43 @@ def with_kv_scales(model, kv_scales: jax.Array) -> None:
         attn.k_scale, attn.v_scale = kv_scales[i, 0], kv_scales[i, 1]
 
 
+QUERY_BLOCK = 256  # queries per block of the calibration's attention: scores [K, G, 256, T], not [K, G, T, T]
+
+
 def _amax_attention(q, k, v, k_pages, v_pages, md: AttentionMetadata, *, scale, sliding_window=None,
                     precision=None, **_):  # fmt: skip
-    """packed_causal_attention over this step's tokens, returning (out, amax|K|, amax|V|) in place of the pages.
+    """Causal attention of each token over its own sequence's tokens of this step, without a cache, returning
+    (out [T, H, Dh], amax|K|, amax|V|) in place of the pages.
 
-    Padding tokens (past ``query_start_loc[-1]``) are left out of the amax and get a sequence id of their own
-    (-1), so no real token attends to them."""
-    t = q.shape[0]
+    Queries go in blocks of QUERY_BLOCK (``lax.map``), so the scores of a 2048-token first step take 1/8 of the
+    memory a [T, T] tensor would: the cache already holds most of the device's memory by then. Padding tokens
+    (past ``query_start_loc[-1]``) are left out of the amax and get a sequence id of their own (-1), so no real
+    token attends to them."""
+    t, h, dh = q.shape
+    kv_heads = k.shape[1]
     real = jnp.arange(t) < md.query_start_loc[-1]  # [T]
-    md = AttentionMetadata(
-        positions=md.positions, slot_mapping=md.slot_mapping, token_seq_ids=jnp.where(real, md.token_seq_ids, -1),
-        query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, block_tables=md.block_tables,
-        logits_indices=md.logits_indices,
-    )  # fmt: skip
-    out, _, _ = packed_causal_attention(
-        q, k, v, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision
+    seq, pos = jnp.where(real, md.token_seq_ids, -1), md.positions  # [T] each
+    bq = min(t, QUERY_BLOCK)
+    pad = -t % bq
+    blocks = lambda x, fill: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill).reshape(  # noqa: E731
+        (t + pad) // bq, bq, *x.shape[1:]
     )
+    qg = q.reshape(t, kv_heads, h // kv_heads, dh)  # [T, K, G, Dh]: query head h uses KV head h // G
+
+    def block(args):  # one block of queries against all T keys
+        qb, seq_b, pos_b = args  # [Bq, K, G, Dh], [Bq], [Bq]
+        mask = (seq_b[:, None] == seq[None, :]) & (pos[None, :] <= pos_b[:, None])  # [Bq, T]
+        if sliding_window is not None:
+            mask &= pos_b[:, None] - pos[None, :] < sliding_window
+        scores = jnp.einsum("tkgd,skd->kgts", qb, k, precision=precision, preferred_element_type=jnp.float32)
+        # [K, G, Bq, T]. Finite: a query row of the block's padding masks every key, and must not give NaN.
+        scores = jnp.where(mask, scores * scale, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("kgts,skd->tkgd", probs, v, precision=precision)  # [Bq, K, G, Dh]
+
+    out = jax.lax.map(block, (blocks(qg, 0), blocks(seq, -2), blocks(pos, 0)))  # [T/Bq, Bq, K, G, Dh]
     amax = lambda x: jnp.max(jnp.where(real[:, None, None], jnp.abs(x.astype(jnp.float32)), 0.0))  # noqa: E731
-    return out, amax(k), amax(v)
+    return out.reshape(-1, h, dh)[:t], amax(k), amax(v)
 
 
 def _calibrate(graphdef, treedef, params, input_ids, md: AttentionMetadata) -> jax.Array:  # -> [L, 2] f32

@@ -103,3 +103,31 @@ def test_calculated_scales_under_tensor_parallelism():
     two, llm2 = _run(kv_cache_dtype="fp8", calculate_kv_scales=True, tensor_parallel_size=2)
     np.testing.assert_allclose(llm2.llm_engine.runner.kv_scales, llm1.llm_engine.runner.kv_scales, rtol=1e-5)
     assert [max(d, key=d.get) for d in two] == [max(d, key=d.get) for d in one]
+
+
+def test_calibration_attention_equals_packed_attention(monkeypatch):
+    """The calibration's blocked attention (here in blocks of 16 over 40 tokens: 3 blocks, the last padded) gives
+    packed_causal_attention's output, and its amax skips padding tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve import kv_scale_calibration
+    from jaxserve.models.packed_attention import packed_causal_attention
+    from jaxserve.pallas_kernels.metadata import AttentionMetadata
+
+    monkeypatch.setattr(kv_scale_calibration, "QUERY_BLOCK", 16)
+    t, real, h, kh, dh = 40, 33, 4, 2, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), (t, n, dh)) for i, n in ((0, h), (1, kh), (2, kh)))
+    k = k.at[real:].set(1e4)  # padding tokens' keys: must not count
+    lens = [9, 20, 4]  # three sequences, then 7 padding tokens
+    seq = np.concatenate([np.full(n, i) for i, n in enumerate(lens)] + [np.full(t - real, 2)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lens] + [np.zeros(t - real, int)]).astype(np.int32)
+    qsl = np.array([0, 9, 29, 33, 33], np.int32)
+    z = jnp.zeros(4, jnp.int32)
+    md = AttentionMetadata(positions=pos, slot_mapping=np.zeros(t, np.int32), token_seq_ids=seq, query_start_loc=qsl,
+                           seq_lens=z, block_tables=jnp.zeros((4, 1), jnp.int32), logits_indices=z)  # fmt: skip
+    out, amax_k, amax_v = kv_scale_calibration._amax_attention(q, k, v, None, None, md, scale=dh**-0.5)
+    md_ref = AttentionMetadata(**{**md.__dict__, "token_seq_ids": np.where(np.arange(t) < real, seq, -1)})
+    want, _, _ = packed_causal_attention(q, k, v, None, None, md_ref, scale=dh**-0.5)
+    np.testing.assert_allclose(out[:real], want[:real], rtol=1e-5, atol=1e-5)
+    assert float(amax_k) == float(jnp.abs(k[:real]).max()) and float(amax_v) == float(jnp.abs(v[:real]).max())
