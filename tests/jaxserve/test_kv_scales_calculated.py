@@ -126,8 +126,11 @@ def test_calibration_attention_equals_packed_attention(monkeypatch):
     z = jnp.zeros(4, jnp.int32)
     md = AttentionMetadata(positions=pos, slot_mapping=np.zeros(t, np.int32), token_seq_ids=seq, query_start_loc=qsl,
                            seq_lens=z, block_tables=jnp.zeros((4, 1), jnp.int32), logits_indices=z)  # fmt: skip
-    out, amax_k, amax_v = kv_scale_calibration._amax_attention(q, k, v, None, None, md, scale=dh**-0.5)
+    calib = jax.jit(lambda q, k, v, md: kv_scale_calibration._amax_attention(q, k, v, None, None, md, scale=dh**-0.5))
+    out, amax_k, amax_v = calib(q, k, v, md)  # jitted: one compile, not one per op
     md_ref = AttentionMetadata(**{**md.__dict__, "token_seq_ids": np.where(np.arange(t) < real, seq, -1)})
-    want, _, _ = packed_causal_attention(q, k, v, None, None, md_ref, scale=dh**-0.5)
+    want, _, _ = jax.jit(lambda q, k, v, md: packed_causal_attention(q, k, v, None, None, md, scale=dh**-0.5))(
+        q, k, v, md_ref
+    )
     np.testing.assert_allclose(out[:real], want[:real], rtol=1e-5, atol=1e-5)
     assert float(amax_k) == float(jnp.abs(k[:real]).max()) and float(amax_v) == float(jnp.abs(v[:real]).max())
