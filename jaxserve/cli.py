@@ -20,6 +20,8 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step (default 2048 on accelerators, 256 on CPU)",
     "block_size": "tokens per KV cache block",
     "kv_cache_dtype": "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: KV in one byte a value",
+    "calculate_kv_scales": "fp8 KV cache: set each layer's K/V scale from the first prefill's largest |K|, |V| "
+    "(amax / the format's max), then keep it; overrides the checkpoint's scales",
     "gpu_memory_utilization": "fraction of accelerator memory the engine may use",
     "num_gpu_blocks_override": "fix the number of KV cache blocks",
     "cpu_kv_cache_space": "GiB of KV cache on CPU (default 1)",

@@ -40,6 +40,9 @@ class EngineArgs:
     num_gpu_blocks_override: Optional[int] = None  # fix the number of KV blocks (tests, experiments)
     cpu_kv_cache_space: Optional[float] = None  # GiB of KV cache on CPU (default 1 GiB, bounded by need)
     kv_cache_dtype: str = "auto"
+    # fp8 caches: each layer's K/V scale = amax of the first prefill's K/V / the format's max, then fixed
+    # (jaxserve/kv_scale_calibration.py); overrides the checkpoint's scales.
+    calculate_kv_scales: bool = False
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
@@ -109,6 +112,9 @@ class EngineArgs:
             raise bad("fp32_matmul_precision", f"choose one of {FP32_MATMUL_PRECISIONS}: {want}")
         if str(self.kv_cache_dtype).replace("-", "_") not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"choose one of {KV_CACHE_DTYPES} (fp8 is fp8_e4m3)")
+        if self.calculate_kv_scales and str(self.kv_cache_dtype).replace("-", "_") == "auto":
+            want = "scales exist only for an fp8 cache: set kv_cache_dtype='fp8' too, or leave it off"
+            raise bad("calculate_kv_scales", want)
         if self.precompile not in PRECOMPILE:
             raise bad("precompile", f"choose one of {PRECOMPILE}")
         if self.load_format not in LOAD_FORMATS:
@@ -191,6 +197,7 @@ class CacheConfig:
     cpu_kv_cache_space: Optional[float]
     kv_cache_dtype: str
     enable_prefix_caching: bool
+    calculate_kv_scales: bool = False  # fp8 only: scales from the first prefill (kv_scale_calibration.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ def convert(
     from jaxserve.model_loader import load_model, load_tokenizer, resolve_model_path
     from jaxserve.models.config import TextModelConfig
     from jaxserve.models.loader.hf import read_hf_config
+    from jaxserve.models.loader.kv_scales import model_kv_scales
     from jaxserve.models.loader.orbax_format import write_metadata
     from jaxserve.models.loader.orbax_weights import save_weights
     from jaxserve.pallas_kernels.attention import get_attention_fn
@@ -58,6 +59,7 @@ def convert(
     )  # fmt: skip
     os.makedirs(out_dir, exist_ok=True)
     params = save_weights(loaded, out_dir)
+    kv_scales = model_kv_scales(loaded)  # fp8 KV cache scales: not arrays, so they go into the metadata
     del loaded
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
@@ -70,7 +72,7 @@ def convert(
     if written != want:  # a config.json that reads back differently would build another model
         raise RuntimeError(f"the config.json written to {out_dir!r} reads back as {written}, not {want}")
     meta = write_metadata(
-        out_dir, dtype=resolved, params=params, tokenizer=tokenizer is not None,
+        out_dir, dtype=resolved, params=params, tokenizer=tokenizer is not None, kv_scales=kv_scales,
         source={"model": model, "path": os.path.abspath(path), "format": fmt, "seed": seed if fmt == "dummy" else None},
     )  # fmt: skip
     return {**meta, "seconds": time.perf_counter() - t0}

@@ -131,7 +131,7 @@ def build_engine_components(
     model_config = ModelConfig(path, fmt, served, dtype, max_model_len, args.seed, args.fp32_matmul_precision)
     cache_config = CacheConfig(
         args.block_size, args.gpu_memory_utilization, args.num_gpu_blocks_override, args.cpu_kv_cache_space,
-        args.kv_cache_dtype, args.enable_prefix_caching,
+        args.kv_cache_dtype, args.enable_prefix_caching, args.calculate_kv_scales,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs, max_batched, max_model_len, args.enable_chunked_prefill, args.long_prefill_token_threshold

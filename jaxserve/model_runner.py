@@ -34,14 +34,14 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve import buckets, sharding
+from jaxserve import buckets, kv_scale_calibration, sharding
 from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
 from jaxserve.models.lora import for_layers as lora_for_layers
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
-from jaxserve.pallas_kernels.fp8 import kv_cache_dtype_for
+from jaxserve.pallas_kernels.fp8 import is_fp8, kv_cache_dtype_for
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import SamplerOutput, argmax, sample, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
@@ -52,7 +52,7 @@ logger = logging.getLogger("jaxserve")
 
 def _forward(
     graphdef, treedef, num_rows_max, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields,
-    prev_tokens, *mm,
+    prev_tokens, kv_scales, *mm,
 ):
     """Pure step: (params, cache, packed batch) -> (logits of each sequence's last token [S, V], their argmax
     padded to [S_max], new cache).
@@ -65,6 +65,7 @@ def _forward(
     ``lora_spec`` (static): None, or (number of model parameters, layers) when ``params`` ends with the LoRA
     slot arrays (jaxserve.lora.slots) and ``tok_fields`` has the tokens' slot row.
     ``aux_layers`` (static; EAGLE only, else ()): see ``run_model``.
+    ``kv_scales`` [L, 2] f32 (calculate_kv_scales only; else None): the layers' fp8 scales as traced values.
     A vision-language model's step also takes ``mm = (mm_fields [4, T] i32, image pool [P, D])``
     (jaxserve.vision_runner); a text model's program has no such arguments.
     """
@@ -76,6 +77,8 @@ def _forward(
         lora = lora_for_layers(params[num_model_params:], tok_fields[5], num_layers)
         params = params[:num_model_params]
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    if kv_scales is not None:
+        kv_scale_calibration.with_kv_scales(model, kv_scales)
     lora_kw = {"lora": lora} if lora is not None else {}
     hidden, kv_caches = run_model(model, input_ids, kv_caches, md, aux_layers, **lora_kw, **_mm_kwargs(mm))  # [T, E]
     logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
@@ -270,13 +273,20 @@ class ModelRunner:
                     _forward, self.graphdef, self._treedef, self.max_rows, decode_only, lora_spec, self.aux_layers
                 ),
                 donate_argnums=1,
-                in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * (3 + num_mm),
+                in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * (4 + num_mm),
                 out_shardings=(logits_sharding, batch_sharding, cache_shardings),
             )
             for decode_only in (False, True)
         }
         self._sample = jax.jit(functools.partial(_sample_padded, num_rows_max=self.max_rows))
         self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
+        # calculate_kv_scales (kv_scale_calibration.py): the scales travel as one traced [L, 2] array, set from the
+        # first step's amax before that step runs; None (no argument, static scales) otherwise.
+        self.calculate_kv_scales = cache_config.calculate_kv_scales and is_fp8(self.kv_dtype)
+        self._kv_scales_arr = None
+        if self.calculate_kv_scales:
+            self._kv_scales_arr = jax.device_put(np.ones((len(layers), 2), np.float32), batch_sharding)
+        self._calibration_pending = self.calculate_kv_scales
         self.num_steps = 0
         self.compiled_shapes: set[tuple[int, int, bool]] = set()  # (T, B, decode_only) compiled at start-up or since
         self._programs: dict[tuple[int, int, bool], Any] = {}  # (T, B, decode_only) -> compiled step (jax.stages.Compiled)
@@ -365,10 +375,25 @@ class ModelRunner:
         mm_fields = None
         if self.vision is not None:  # encodes (dispatches) any image this step reads that is not cached
             mm_fields = self.vision.step_fields(sched.seqs, x.positions, x.query_start_loc)
+        if self._calibration_pending:
+            self._calibrate_kv_scales(sched, x)
         out = self._run(x, sampling_md, decode_only, mm_fields)
         self._last_tokens = out.token_ids
         self.num_steps += 1
         return StepHandle(out, len(sched.seqs))
+
+    def _calibrate_kv_scales(self, sched: SchedulerOutput, x: StepInputs) -> None:
+        """calculate_kv_scales: set every layer's fp8 scales from this (the first) step's K/V, before it runs."""
+        if any(seq.start_pos or seq.num_placeholders for seq in sched.seqs):
+            raise RuntimeError("calculate_kv_scales: the first step must hold only prompts starting at position 0")
+        amax = kv_scale_calibration.calibrate(self.graphdef, self._treedef, self.params, x.input_ids, self._metadata(x))
+        self.kv_scales = kv_scale_calibration.scales_from_amax(amax, self.kv_dtype)
+        logger.info("calculate_kv_scales: per-layer (k_scale, v_scale) from the first prefill: %s",
+                    [(round(k, 6), round(v, 6)) for k, v in self.kv_scales])
+        self._kv_scales_arr = jax.device_put(np.asarray(self.kv_scales, np.float32), self._last_tokens.sharding)
+        if self._eager_model is not None:
+            kv_scale_calibration.with_kv_scales(self._eager_model, np.asarray(self.kv_scales, np.float32))
+        self._calibration_pending = False
 
     @staticmethod
     def fetch(handle: StepHandle) -> ModelRunnerOutput:
@@ -398,7 +423,8 @@ class ModelRunner:
         key = (x.input_ids.shape[0], x.block_tables.shape[1], decode_only)
         step = self._programs.get(key, self._steps[decode_only])
         logits, greedy, self.kv_caches = step(
-            self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, *self._mm_args(mm_fields)
+            self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, self._kv_scales_arr,
+            *self._mm_args(mm_fields),
         )
         if sampling_md.plain_greedy:
             return SamplerOutput(token_ids=greedy)  # the step's own argmax: no sampler program to launch
@@ -476,7 +502,7 @@ class ModelRunner:
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "kv_dtype": self.kv_dtype.name,  # a bf16-cache program must never run over an fp8 cache
-            "kv_scales": self.kv_scales,
+            "kv_scales": "traced" if self.calculate_kv_scales else self.kv_scales,  # traced: any values, one program
             "max_rows": self.max_rows,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "image_pool_rows": self._pool_rows,  # a vision-language step's pool argument has this many rows
@@ -515,7 +541,7 @@ class ModelRunner:
         if self.lora is not None:
             x.lora_slots = np.zeros(t, np.int32)
         mm = self._mm_args(self.vision.dummy_fields(t)) if self.vision is not None else ()
-        return self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, *mm
+        return self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, self._kv_scales_arr, *mm
 
 
 def _sampler_key(md: SamplingMetadata) -> tuple:

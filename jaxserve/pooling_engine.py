@@ -7,6 +7,7 @@ generate loop does: step N+1 is dispatched before step N's pooled vectors are re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Optional, Union
@@ -92,26 +93,47 @@ def encode_text(tokenizer, text: str, keep: Optional[int], add_special_tokens: b
     return list(tokenizer(text, truncation=True, max_length=keep, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+@dataclasses.dataclass(frozen=True)
+class _EncoderHeads:
+    """An encoder's head counts as check_tensor_parallel reads them (its K/V heads are its query heads)."""
+
+    num_attention_heads: int
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_attention_heads
+
+
 class PoolingEngine:
-    """Owns the tokenizer, the pooling scheduler and runner. Not thread-safe: one caller."""
+    """Owns the tokenizer, the pooling scheduler and the runners. Not thread-safe: one caller.
+
+    Data parallelism runs in this process: one PoolingRunner per replica (its own weights on its own
+    ``tensor_parallel_size`` devices), and each step hands every replica the next batch the scheduler packs.
+    The generate engine needs a process per replica because its loop is host-bound (a step per token, with
+    scheduling, input building and detokenizing each time); a pooling step is one dispatch for a whole batch of
+    whole prompts, the host's share is packing token ids into a few arrays, and dispatch returns at once (the
+    device runs asynchronously), so one thread keeps every replica busy and no router, IPC or second tokenizer
+    is needed.
+    """
 
     is_pooling = True
 
     def __init__(
-        self, args, model_config, scheduler_config, tokenizer, runner, vocab_size: int, compile_s: float, row_len: int
+        self, args, model_config, scheduler_config, tokenizer, runners, vocab_size: int, compile_s: float, row_len: int
     ):  # fmt: skip
         self.args = args
         self.model_config = model_config
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
-        self.runner = runner
+        self.runners = runners if isinstance(runners, list) else [runners]
+        self.runner = runner = self.runners[0]
         self.pooling = runner.pooling
         self.vocab_size = vocab_size
         self.row_len = row_len
         self.scheduler = PoolingScheduler(
             scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens, row_len
         )
-        self._in_flight = None  # (requests, handle): dispatched, not yet read back
+        self._in_flight: list = []  # (requests, handle) per replica: dispatched, not yet read back
         self.num_prompt_tokens = 0
         self.compile_s = compile_s
 
@@ -127,28 +149,29 @@ class PoolingEngine:
         from jaxserve.models.loader.pooling_config import read_pooling_config
         from jaxserve.pooling_runner import PoolingRunner
 
+        from jaxserve import sharding
+
         args.validate()
         if args.enable_lora:
             raise ValueError("enable_lora=True: LoRA adapters are served for generation only, not by the embedding "
                              "(pooling) runner; leave it off")
-        if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
-            raise ValueError(
-                "tensor_parallel_size and data_parallel_size must be 1 with runner='pooling' (embedding models are "
-                "small enough for one device; run several servers for more throughput)"
-            )
+        tp, dp = args.tensor_parallel_size, args.data_parallel_size
+        meshes = sharding.replica_meshes(sharding.make_mesh(tp, dp))  # raises naming both when devices are short
         platform = current_platform()
         enable_compilation_cache(args.compilation_cache_dir)
         path, fmt = resolve_model_path(args.model, args.load_format)
         dtype = serving_dtype(args.dtype, platform)
         t0 = time.perf_counter()
         cfg, is_encoder = read_embedding_config(path)
+        if tp > 1:  # whole heads per device, checked before any weight is read
+            sharding.check_tensor_parallel(cfg if not is_encoder else _EncoderHeads(cfg.num_attention_heads), tp)
         pooling = read_pooling_config(path, is_encoder=is_encoder)
         max_model_len, budget, max_num_seqs, row_len = pooling_limits(
             args, max_input_len(cfg, is_encoder), pooling.max_seq_length, platform
         )
         em = load_embedding_model(
             path, fmt, dtype=jnp.dtype(dtype), seed=args.seed, fp32_matmul_precision=args.fp32_matmul_precision,
-            progress=progress, row_len=row_len,
+            progress=progress, row_len=row_len, shardings_fn=sharding.shardings_fn(meshes[0]),
         )  # fmt: skip
         tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
         load_s = time.perf_counter() - t0
@@ -156,15 +179,20 @@ class PoolingEngine:
         model_config = ModelConfig(path, fmt, served, dtype, max_model_len, args.seed, args.fp32_matmul_precision)
         scheduler_config = SchedulerConfig(max_num_seqs, budget, max_model_len, False, 0)
         precompile = "none" if args.precompile == "none" else "all"
-        runner = PoolingRunner(em, pooling, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                               precompile=precompile)  # fmt: skip
-        compile_s = runner.warmup(progress=progress)
+        # Data parallelism: one runner per mesh row, in this process (see the class docstring for why).
+        runners = [
+            PoolingRunner(em, pooling, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, precompile=precompile,
+                          mesh=mesh)  # fmt: skip
+            for mesh in meshes
+        ]
+        del em
+        compile_s = sum(r.warmup(progress=progress) for r in runners)
         logger.info(
-            "jaxserve ready (pooling): %s (%s, %s, %s pooling%s) loaded in %.1fs, %d step shapes compiled in %.1fs",
-            served, "encoder" if em.is_encoder else "decoder", dtype, pooling.pooling_type,
-            ", normalized" if pooling.normalize else "", load_s, len(runner.compiled_shapes), compile_s,
+            "jaxserve ready (pooling): %s (%s, %s, %s pooling%s, tp=%d, dp=%d) loaded in %.1fs, %d step shapes "
+            "compiled in %.1fs", served, "encoder" if is_encoder else "decoder", dtype, pooling.pooling_type,
+            ", normalized" if pooling.normalize else "", tp, dp, load_s, len(runners[0].compiled_shapes), compile_s,
         )  # fmt: skip
-        return cls(args, model_config, scheduler_config, tokenizer, runner, em.config.vocab_size, compile_s, row_len)
+        return cls(args, model_config, scheduler_config, tokenizer, runners, cfg.vocab_size, compile_s, row_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -257,15 +285,19 @@ class PoolingEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[EmbeddingRequestOutput]:
-        batch = self.scheduler.schedule()
-        previous, self._in_flight = self._in_flight, None
-        if batch:
-            self._in_flight = ([r for r, _ in batch], self.runner.dispatch([(r.prompt_token_ids, at) for r, at in batch]))
+        """Dispatch the next batch on every replica (while requests wait), then read back the previous step's."""
+        previous, self._in_flight = self._in_flight, []
+        for runner in self.runners:
+            batch = self.scheduler.schedule()
+            if not batch:
+                break
+            handle = runner.dispatch([(r.prompt_token_ids, at) for r, at in batch])
+            self._in_flight.append(([r for r, _ in batch], handle))
             self.num_prompt_tokens += sum(len(r.prompt_token_ids) for r, _ in batch)
-        outputs = self._finish(*previous) if previous is not None else []
-        if not self.args.async_scheduling and self._in_flight is not None:
-            outputs += self._finish(*self._in_flight)
-            self._in_flight = None
+        outputs = [out for flight in previous for out in self._finish(*flight)]
+        if not self.args.async_scheduling:
+            outputs += [out for flight in self._in_flight for out in self._finish(*flight)]
+            self._in_flight = []
         return outputs
 
     def _finish(self, batch: list[PoolingRequest], handle) -> list[EmbeddingRequestOutput]:
@@ -282,12 +314,12 @@ class PoolingEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_stats(self):
         from jaxserve.llm_engine import EngineStats
 
-        running = len(self._in_flight[0]) if self._in_flight is not None else 0
+        running = sum(len(reqs) for reqs, _ in self._in_flight)
         return EngineStats(running, self.scheduler.num_waiting, 0.0, 0, 0, self.num_prompt_tokens, 0, 0)
 
     def info(self) -> dict[str, Any]:
@@ -304,6 +336,6 @@ class PoolingEngine:
             "attention_row_len": self.row_len,
             "compiled_step_shapes": len(self.runner.compiled_shapes),
             "async_scheduling": self.args.async_scheduling,
-            "tensor_parallel_size": 1,
-            "data_parallel_size": 1,
+            "tensor_parallel_size": self.args.tensor_parallel_size,
+            "data_parallel_size": len(self.runners),
         }

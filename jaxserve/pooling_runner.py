@@ -7,6 +7,11 @@ buckets. Attention runs per row, masked to each token's own sequence (bidirectio
 decoders); no KV cache exists. The step returns the
 pooled vector of every sequence, [S, D] float32: one device-to-host copy of S * D floats, never the [T, D]
 hidden states. Truncation to Matryoshka ``dimensions`` and L2 normalisation are per request, on the host.
+
+Tensor parallelism: the runner's ``(1, tp)`` mesh places every parameter by its logical axis names
+(jaxserve.sharding's one rules table, as the generate runner does: heads and the MLP split over "model"),
+the batch and the pooled rows are replicated, and XLA's partitioner splits the jnp attention and inserts the
+all-reduces. A data-parallel replica is one more runner on another mesh row (jaxserve.pooling_engine).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve import buckets
+from jaxserve import buckets, sharding
 from jaxserve.models.loader.embedding import EmbeddingModel, hidden_states
 from jaxserve.models.loader.pooling_config import PoolingConfig
 
@@ -55,19 +60,28 @@ def _pool_step(graphdef, treedef, is_encoder: bool, pooling_type: str, leaves, t
 class PoolingRunner:
     def __init__(
         self, em: EmbeddingModel, pooling: PoolingConfig, *, max_num_batched_tokens: int, max_num_seqs: int,
-        precompile: str = "all",
+        precompile: str = "all", mesh: Optional[jax.sharding.Mesh] = None,
     ):  # fmt: skip
-        """``em`` was built with the row length the scheduler packs to (a bucket >= it is a multiple of it)."""
+        """``em`` was built with the row length the scheduler packs to (a bucket >= it is a multiple of it).
+        ``mesh``: this replica's ``(1, tp)`` mesh (default: the first device)."""
         self.pooling = pooling
         self.hidden_size = em.hidden_size
         self.max_num_seqs = max_num_seqs
+        self.mesh = mesh if mesh is not None else sharding.replica_meshes(sharding.make_mesh(1))[0]
         graphdef, state = nnx.split(em.model)
+        # Where the loader already placed the weights on this mesh, a no-op; another replica gets its own copy.
+        state = jax.device_put(state, sharding.param_shardings(em.model, self.mesh))
         self._leaves, treedef = jax.tree.flatten(state)
         # Buckets from 16 tokens: a pooling step is a prefill, never a one-token decode.
         self.token_buckets = buckets.token_buckets(max_num_batched_tokens, platform="accel")
         self.precompile = precompile
-        self._jitted = jax.jit(functools.partial(_pool_step, graphdef, treedef, em.is_encoder, pooling.pooling_type))
+        batch = sharding.replicated(self.mesh)  # the packed batch in, the pooled rows out
+        self._jitted = jax.jit(
+            functools.partial(_pool_step, graphdef, treedef, em.is_encoder, pooling.pooling_type),
+            in_shardings=([x.sharding for x in self._leaves], batch, batch), out_shardings=batch,
+        )  # fmt: skip
         self._compiled: dict[int, object] = {}
+        self.num_steps = 0  # dispatched so far
 
     def _shapes(self, t: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         s = buckets.seq_bucket_for(t, self.max_num_seqs)
@@ -108,6 +122,7 @@ class PoolingRunner:
             if self.precompile != "none":
                 logger.info("compiling the pooling step for %d tokens (first use)", t)
             step = self._jitted
+        self.num_steps += 1
         return PoolingHandle(step(self._leaves, tokens, seqs), len(prompts))
 
     def fetch(self, handle: PoolingHandle) -> np.ndarray:  # [num_seqs, D] float32

@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxserve import buckets
 from jaxserve.batch_builder import build_step_inputs
+from jaxserve.kv_scale_calibration import with_kv_scales
 from jaxserve.model_runner import ModelRunner, _dummy_inputs, pack_inputs, run_model, unpack_inputs
 from jaxserve.sampler import _with_logprobs
 from jaxserve.sampling_metadata import SamplingMetadata
@@ -35,14 +36,20 @@ from jaxserve.spec_decode.rejection import accept
 logger = logging.getLogger("jaxserve")
 
 
-def _verify(graphdef, treedef, k, forced, aux_layers, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec):
-    """(params, cache, packed batch, spec_rows [4, R], num_spec [S]) -> (logits [R, V] f32, greedy tokens
-    [S, K+1], greedy num_emitted [S], new cache).
+
+def _verify(
+    graphdef, treedef, k, forced, aux_layers, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec,
+    kv_scales=None,
+):
+    """(params, cache, packed batch, spec_rows [4, R], num_spec [S], the runner's traced fp8 scales or None) ->
+    (logits [R, V] f32, greedy tokens [S, K+1], greedy num_emitted [S], new cache).
 
     The greedy acceptance is computed here, inside the model's program: an all-greedy batch (the common case)
     then needs no second program. Sampled rows and logprobs take ``_accept`` over the logits."""
     input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    if kv_scales is not None:  # calculate_kv_scales (jaxserve/kv_scale_calibration.py)
+        with_kv_scales(model, kv_scales)
     hidden, kv_caches = run_model(model, input_ids, kv_caches, attn_md, aux_layers)  # [T, E]
     logits = model.compute_logits(hidden[spec_rows[0]])  # [R, V] f32: only the positions that score something
     greedy_md = SamplingMetadata.from_seqs([], spec_rows.shape[1])
@@ -112,7 +119,7 @@ class VerifyRunner:
             spec_rows[3, r0 : r0 + n + 1] = np.arange(n + 1)
             num_spec[i] = n
         md = _rows_metadata(SamplingMetadata.from_seqs(sched.seqs, s, r._history_len(sched)), counts, num_rows)
-        args = (*pack_inputs(x), spec_rows, num_spec)
+        args = (*pack_inputs(x), spec_rows, num_spec, r._kv_scales_arr)
         program = self._programs.get((t, b, num_rows))
         if program is None:
             logger.info("compiling verify step tokens=%d ctx=%d rows=%d on first use", t, b * r.block_size, num_rows)
@@ -155,7 +162,7 @@ class VerifyRunner:
             x = _dummy_inputs(t, s, b, r.num_blocks * r.block_size)
             rows = np.zeros((4, n), np.int32)
             rows[1], rows[2] = -1, s
-            args = (*pack_inputs(x), rows, np.zeros(s, np.int32))
+            args = (*pack_inputs(x), rows, np.zeros(s, np.int32), r._kv_scales_arr)
             lowered[(t, b, n)] = self._step.lower(r.params, r.kv_caches, *args)
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:

@@ -92,30 +92,35 @@ def max_input_len(cfg: Any, is_encoder: bool) -> int:
 
 def load_embedding_model(
     path: str, fmt: str, *, dtype, seed: int = 0, fp32_matmul_precision: str = "highest", progress: bool = False,
-    row_len: int | None = None,
+    row_len: int | None = None, shardings_fn=None,
 ) -> EmbeddingModel:  # fmt: skip
     """Build the embedding model of ``path`` (format "safetensors", "dummy", or for decoders "gguf"/"orbax").
-    ``row_len``: attention runs in rows of this many packed tokens (see jaxserve.pooling_scheduler)."""
+    ``row_len``: attention runs in rows of this many packed tokens (see jaxserve.pooling_scheduler).
+    ``shardings_fn(abstract_model)`` places the parameters as they load (tensor parallelism; a dummy encoder is
+    placed by the runner)."""
     cfg, is_encoder = read_embedding_config(path)
     if is_encoder:
         kw = dict(dtype=dtype, param_dtype=dtype, fp32_matmul_precision=fp32_matmul_precision, row_len=row_len)
         if fmt == "dummy":
             model = BertModel(cfg, rngs=nnx.Rngs(seed), **kw)
         elif fmt == "safetensors":
-            model = _load_encoder_weights(path, cfg, kw, progress)
+            model = _load_encoder_weights(path, cfg, kw, progress, shardings_fn)
         else:
             raise ValueError(f"an encoder loads from safetensors (or load_format='dummy'), not {fmt!r}")
         return EmbeddingModel(model, cfg, True)
-    return _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress, row_len)
+    return _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress, row_len, shardings_fn)
 
 
-def _load_encoder_weights(path, cfg, kw, progress) -> BertModel:
+def _load_encoder_weights(path, cfg, kw, progress, shardings_fn=None) -> BertModel:
     from jaxserve.models.loader.hf import SafetensorsCheckpoint
     from jaxserve.models.loader.weights import load_weights
 
     abstract = nnx.eval_shape(lambda: BertModel(cfg, rngs=nnx.Rngs(0), **kw))
+    shardings = shardings_fn(abstract) if shardings_fn is not None else None
     with SafetensorsCheckpoint(path) as ckpt:
-        return load_weights(abstract, _Renamed(ckpt, _encoder_name), tied_embeddings=False, progress=progress)
+        return load_weights(
+            abstract, _Renamed(ckpt, _encoder_name), tied_embeddings=False, shardings=shardings, progress=progress
+        )
 
 
 def _encoder_name(name: str) -> str | None:
@@ -136,7 +141,7 @@ def _decoder_name(name: str) -> str | None:
     return name if name.startswith("model.") else "model." + name
 
 
-def _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress, row_len) -> EmbeddingModel:
+def _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress, row_len, shardings_fn) -> EmbeddingModel:
     from jaxserve.model_loader import load_model, read_text_config
 
     cfg = read_text_config(path)
@@ -145,7 +150,7 @@ def _load_decoder(path, fmt, dtype, seed, fp32_matmul_precision, progress, row_l
     # head is skipped. Pooling never reads logits.
     cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     kw = dict(dtype=jnp.dtype(dtype), attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision,
-              progress=progress)  # fmt: skip
+              progress=progress, shardings_fn=shardings_fn)  # fmt: skip
     if fmt == "safetensors":
         from jaxserve.models.loader.hf import SafetensorsCheckpoint
         from jaxserve.models.loader.weights import load_from_hf_tensors

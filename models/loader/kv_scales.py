@@ -4,6 +4,11 @@ Checkpoints quantized for an fp8 KV cache (llm-compressor, vLLM's own) store one
 and one for V; older ones store a single ``kv_scale`` for both. They are not parameters: they become each
 attention layer's static ``k_scale``/``v_scale`` (models/llama.py), 1.0 where the checkpoint has none.
 They matter only with ``kv_cache_dtype`` fp8*; a model-dtype cache ignores them.
+
+Other formats: a ``jaxserve convert`` directory keeps them in its metadata file (``kv_scales``, see
+orbax_format.py), so they survive conversion. GGUF files carry none: llama.cpp quantizes its KV cache at run
+time (per-block scales of q8_0/q4_0 caches, nothing per layer in the file), so a GGUF model runs an fp8 cache
+at scale 1.0, or with ``calculate_kv_scales``.
 """
 
 from __future__ import annotations
@@ -45,3 +50,13 @@ def apply_kv_scales(model: Any, scales: dict[int, tuple[float, float]]) -> None:
         if layer >= len(layers):
             raise ValueError(f"checkpoint has KV cache scales for layer {layer}, but the model has {len(layers)} layers")
         layers[layer].self_attn.k_scale, layers[layer].self_attn.v_scale = k, v
+
+
+def model_kv_scales(model: Any) -> dict[int, tuple[float, float]]:
+    """layer -> (k_scale, v_scale) of a built model, for the layers whose scales are not the default 1.0."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        k, v = float(layer.self_attn.k_scale), float(layer.self_attn.v_scale)
+        if (k, v) != (1.0, 1.0):
+            out[i] = (k, v)
+    return out

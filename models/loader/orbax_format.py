@@ -6,7 +6,9 @@ Layout of a converted directory::
     OUT_DIR/generation_config.json   when the source had one
     OUT_DIR/tokenizer*.json ...      transformers' save_pretrained (absent for a config-only dummy source)
     OUT_DIR/weights/                 orbax PyTree checkpoint (jaxserve.models.loader.orbax_weights)
-    OUT_DIR/jaxserve_checkpoint.json written last: format version, dtype, parameters, weight files
+    OUT_DIR/jaxserve_checkpoint.json written last: format version, dtype, parameters, weight files, and
+                                     the fp8 KV cache scales ("kv_scales": {"layer": [k, v]}, only those
+                                     not 1.0; optional, so older checkpoints read as all 1.0)
 
 Checks before any array is read: the metadata file exists and has a format version this code knows,
 config.json builds a model whose parameter names and shapes equal the recorded ones, and every weight
@@ -54,7 +56,8 @@ def weight_files(out_dir: str) -> dict[str, int]:
 
 
 def write_metadata(
-    out_dir: str, *, dtype: str, params: dict[str, dict], source: dict[str, Any], tokenizer: bool
+    out_dir: str, *, dtype: str, params: dict[str, dict], source: dict[str, Any], tokenizer: bool,
+    kv_scales: dict[int, tuple[float, float]] | None = None,
 ) -> dict:
     """Write ``jaxserve_checkpoint.json`` (last, so its presence means the conversion finished)."""
     from jaxserve import __version__
@@ -72,6 +75,7 @@ def write_metadata(
         "total_bytes": sum(files.values()),
         "params": params,
         "files": files,
+        "kv_scales": {str(layer): list(kv) for layer, kv in sorted((kv_scales or {}).items())},
     }
     tmp = os.path.join(out_dir, METADATA_FILE + ".tmp")
     with open(tmp, "w") as f:
@@ -122,6 +126,11 @@ def read_metadata(path: str) -> dict:
     if not os.path.isdir(os.path.join(path, WEIGHTS_DIR)):
         raise CheckpointError(f"{path!r} has no {WEIGHTS_DIR}/ folder (the weights); {RECONVERT.format(path=path)}")
     return meta
+
+
+def kv_scales_of(meta: dict) -> dict[int, tuple[float, float]]:
+    """The fp8 KV cache scales recorded at conversion (layer -> (k, v)); none in older checkpoints."""
+    return {int(layer): (float(k), float(v)) for layer, (k, v) in meta.get("kv_scales", {}).items()}
 
 
 def has_tokenizer(path: str) -> bool:

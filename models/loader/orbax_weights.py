@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import TextModelConfig
+from jaxserve.models.loader.kv_scales import apply_kv_scales
 from jaxserve.models.loader.orbax_format import (
-    RECONVERT, WEIGHTS_DIR, CheckpointError, check_files, check_params, read_metadata,
+    RECONVERT, WEIGHTS_DIR, CheckpointError, check_files, check_params, kv_scales_of, read_metadata,
 )  # fmt: skip
 from jaxserve.models.registry import abstract_model
 from jaxserve.pallas_kernels.attention import AttentionFn
@@ -121,7 +122,9 @@ def load_orbax_model(
     gb = meta.get("total_bytes", 0) / 1e9
     logger.info("restored %.2f GB of weights from %s in %.2fs (%.2f GB/s)", gb, path, dt, gb / max(dt, 1e-9))
     state = nnx.from_flat_state([(p, v.replace(_lookup(restored, p))) for p, v in flat])
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    apply_kv_scales(model, kv_scales_of(meta))  # not arrays: static floats of the attention layers
+    return model
 
 
 def _unwrap(sharding: Any) -> Any:
