@@ -78,6 +78,7 @@ def test_each_adapter_matches_peft_and_mixed_batch_matches_alone(llm, adapters):
     assert len(slots.resident) <= 2 and len(slots.host) <= 2
     # Slots were rewritten as adapters came and went, by one program: the slot arrays are step arguments.
     assert slots.num_slot_writes > 3 and slots._write._cache_size() == 1
+    assert slots.folded  # one device: each group's A sits beside its base kernel (models/lora.py's fold)
 
 
 def test_reading_an_adapter_does_not_stall_other_requests(llm, adapters, monkeypatch):
