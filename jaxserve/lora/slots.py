@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 from typing import Optional, Sequence
 
 import jax
@@ -90,6 +91,8 @@ class LoRASlots:
         else:
             self.arrays = [jax.device_put(np.zeros(shape, self.dtype), s) for (*_, shape, _), s in zip(leaves, shardings)]
         self.shardings = shardings
+        self._leaves = leaves
+        self._folded_a = tuple(a and self.folded for a in self.is_a)
         self._write = jax.jit(
             lambda arrays, slot, new: _write_slot(arrays, slot, new, self.is_a, self.num_slots),
             donate_argnums=0,
@@ -107,7 +110,9 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+        """The adapters' bytes (a folded array's base kernel columns are the model's, not counted here)."""
+        pr = [math.prod(s[2:]) * self.num_slots * self.dtype.itemsize for (*_, s, _) in self._leaves]
+        return sum(a.shape[0] * n if folded_a else a.nbytes for a, n, folded_a in zip(self.arrays, pr, self._folded_a))
 
     # ---- host side ----
 
