@@ -13,6 +13,13 @@ share their input, so per group and layer there are two matmuls, whatever the pi
     shrink  xa[T, N, P, r] = x[T, in] @ A[in, N*P*r], then zeroed outside each token's own slot
     expand  delta[T, *out] = xa.reshape(T, N*P*r) @ B[N*P*r, *out]
 
+On one device (the runner's choice, ``ModelRunner._lora_slots``) each group's A is folded beside its base
+kernel, ``WA [in, out + N*P*r]`` (``fold``), so the base matmul gives the shrink too and only the expand is
+extra: per layer 4 matmuls more than the plain step instead of 8, at the same bytes (each launch costs a
+few microseconds, which in a single-stream decode step outweighs the adapters' bytes). The base kernels then
+live only inside WA; a slot write updates its A columns in place. Under TP the base output axes are sharded
+and A's are not, so WA could not be laid out like both: there the shrink stays a matmul of its own.
+
 B is laid out in the fused output's own layout, block-structured: piece p's r rows are non-zero only in
 that piece's output slice (q's columns for q_proj's rows, and so on). So the delta adds straight onto the
 fused output, and q/k/v (gate/up) need one expand, not one each; the zeros cost (P - 1) / P of B's bytes,
