@@ -197,7 +197,7 @@ class ModelRunner:
         if lora_config is not None:
             from jaxserve.lora.slots import LoRASlots
 
-            self.lora = LoRASlots(lora_config, text_config, self.mesh)
+            self.lora = self._lora_slots(model, lora_config, text_config)
         self.dtype = jnp.dtype(model_config.dtype)
         # The cache's dtype: the model's (auto) or an fp8 one, which halves the bytes of a block, so the same
         # memory budget holds about twice the blocks.
@@ -293,6 +293,35 @@ class ModelRunner:
         self._sampler_programs: dict[tuple, Any] = {}  # _sampler_key -> the start-up's compiled sampler
         self.num_lazy_compiles = 0
         self.num_loaded_programs = 0  # step programs the warm-up read from the executable store
+
+    def _lora_slots(self, model: nnx.Module, lora_config, text_config):
+        """The LoRA slots. On one device, with the base kernels in lora_dtype, each group's A is folded into its base
+        kernel (models/lora.py: one matmul gives the base output and the shrink, a kernel launch less per
+        projection): the step's parameter list then holds empty placeholders where those kernels were, and the
+        model's own references to them are dropped, so the base weights are held once."""
+        from jaxserve.lora.slots import LoRASlots
+        from jaxserve.models.lora import GROUPS
+
+        index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(self.state)[0])}
+        keys = [
+            "['model']['layers'][%d]%s['kernel'].value" % (layer, "".join(f"['{m}']" for m in module.split(".")))
+            for layer in range(text_config.num_hidden_layers)
+            for _, module in GROUPS.values()
+        ]  # fmt: skip
+        positions = [index.get(k) for k in keys]
+        foldable = (
+            self.mesh.size == 1 and self._eager_model is None and None not in positions
+            and all(self.params[i].dtype == jnp.dtype(lora_config.lora_dtype) for i in positions)
+        )  # fmt: skip
+        if not foldable:
+            return LoRASlots(lora_config, text_config, self.mesh)
+        kernels = [self.params[i] for i in positions]  # LoRASlots empties the list as it folds them
+        placeholder = sharding.replicated(self.mesh)
+        for i in positions:
+            self.params[i] = jax.device_put(np.zeros((0,), self.params[i].dtype), placeholder)
+        self.state = jax.tree.unflatten(self._treedef, self.params)
+        nnx.update(model, self.state)  # the caller's model must not keep the base kernels alive either
+        return LoRASlots(lora_config, text_config, self.mesh, base_kernels=kernels)
 
     # ------------------------------------------------------------------ sizing
 

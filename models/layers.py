@@ -128,14 +128,10 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear(f, d, axes=("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:  # x [T, D] -> [T, D]
-        gate_up = self.gate_up_proj(x)  # [T, 2, F]
-        if lora is not None:  # models/lora.py's LoRABatch: gate and up deltas into the fused output
-            gate_up = gate_up + lora.delta("gate_up", x, self.down_proj.precision)
+        # lora: models/lora.py's LoRABatch, which adds the gate and up deltas into the fused output
+        gate_up = self.gate_up_proj(x) if lora is None else lora.project("gate_up", x, self.gate_up_proj)  # [T, 2, F]
         h = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T, F]
-        y = self.down_proj(h)
-        if lora is not None:
-            y = y + lora.delta("down", h, self.down_proj.precision)
-        return y
+        return self.down_proj(h) if lora is None else lora.project("down", h, self.down_proj)
 
 
 # ----- rotary position embedding -----

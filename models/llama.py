@@ -79,9 +79,8 @@ class LlamaAttention(nnx.Module):
         lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, KVCache]:  # ([T, D], updated cache)
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, K, G+2, Dh]
-        if lora is not None:  # q, k and v's deltas, each in its slice of the fused output (models/lora.py)
-            qkv = qkv + lora.delta("qkv", x, self.precision)
+        # [T, K, G+2, Dh]; with LoRA q, k and v's deltas added, each in its slice of the fused output (models/lora.py)
+        qkv = self.qkv_proj(x) if lora is None else lora.project("qkv", x, self.qkv_proj)
         q = qkv[:, :, :-2].reshape(t, self.num_heads, self.head_dim)  # [T, H, Dh]: head h uses KV head h // G
         k, v = qkv[:, :, -2], qkv[:, :, -1]  # [T, K, Dh] each
         if self.q_norm is not None:
@@ -94,9 +93,7 @@ class LlamaAttention(nnx.Module):
             **fp8_kw,
         )  # out [T, H, Dh]
         out = out.reshape(t, self.num_heads * self.head_dim)  # [T, H*Dh]
-        y = self.o_proj(out)  # [T, D]
-        if lora is not None:
-            y = y + lora.delta("o", out, self.precision)
+        y = self.o_proj(out) if lora is None else lora.project("o", out, self.o_proj)  # [T, D]
         return y, (k_pages, v_pages)
 
 

@@ -13,6 +13,13 @@ share their input, so per group and layer there are two matmuls, whatever the pi
     shrink  xa[T, N, P, r] = x[T, in] @ A[in, N*P*r], then zeroed outside each token's own slot
     expand  delta[T, *out] = xa.reshape(T, N*P*r) @ B[N*P*r, *out]
 
+On one device (the runner's choice, ``ModelRunner._lora_slots``) each group's A is folded beside its base
+kernel, ``WA [in, out + N*P*r]`` (``fold``), so the base matmul gives the shrink too and only the expand is
+extra: per layer 4 matmuls more than the plain step instead of 8, at the same bytes (each launch costs a
+few microseconds, which in a single-stream decode step outweighs the adapters' bytes). The base kernels then
+live only inside WA; a slot write updates its A columns in place. Under TP the base output axes are sharded
+and A's are not, so WA could not be laid out like both: there the shrink stays a matmul of its own.
+
 B is laid out in the fused output's own layout, block-structured: piece p's r rows are non-zero only in
 that piece's output slice (q's columns for q_proj's rows, and so on). So the delta adds straight onto the
 fused output, and q/k/v (gate/up) need one expand, not one each; the zeros cost (P - 1) / P of B's bytes,
@@ -30,6 +37,7 @@ shrink (o_proj, down_proj).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -126,24 +134,57 @@ def unflatten_layers(flat: list[jax.Array], num_layers: int) -> list[dict[str, t
 
 @dataclasses.dataclass
 class LoRABatch:
-    """What one layer's projections need: that layer's slot weights and the tokens' slot mask."""
+    """What one layer's projections need: that layer's slot weights and the tokens' slot mask.
 
-    weights: dict[str, tuple[jax.Array, jax.Array]]  # {group: (A [in, N, P, r], B [N, P, r, *out])}
+    A group's first array is either A [in, N, P, r] (the base projection runs apart: two extra matmuls) or,
+    folded (``fold_base``), the base kernel with every slot's A beside it, WA [in, out + N*P*r]: one matmul
+    then gives the base output and the shrink together, and only the expand is extra.
+    """
+
+    weights: dict[str, tuple[jax.Array, jax.Array]]  # {group: (A [in, N, P, r] or WA [in, out + N*P*r], B [N, P, r, *out])}
     mask: jax.Array  # [T, N] float32: one-hot of each token's slot; all zeros for slot 0 (no adapter)
+
+    def project(self, group: str, x: jax.Array, linear) -> jax.Array:
+        """The base projection ``linear`` (a layers.Linear) of x [T, in] plus each token's adapter delta:
+        [T, *out] in the projection's dtype."""
+        a, b = self.weights[group]
+        if a.ndim == 4:  # not folded: the base matmul, then the shrink and the expand
+            return linear(x) + self.delta(group, x, linear.precision)
+        t, out = x.shape[0], b.shape[3:]
+        n_out = math.prod(out)
+        y = jax.lax.dot_general(
+            x.astype(linear.dtype), a.astype(linear.dtype), (((1,), (0,)), ((), ())), precision=linear.precision
+        )  # [T, out + N*P*r]: the base output, then every slot's shrink
+        base = y[:, :n_out].reshape(t, *out)
+        if linear.bias is not None:
+            base = base + linear.bias[...].astype(linear.dtype)
+        return base + self._expand(y[:, n_out:], b, linear.precision, linear.dtype)
 
     def delta(self, group: str, x: jax.Array, precision=None) -> jax.Array:
         """x [T, in] -> the group's delta [T, *out] in x's dtype, to add onto the base projection's fused output
         (``precision``: the base projection's, so a float32 model's delta is float32 on a GPU too)."""
         a, b = self.weights[group]
         n_in, n, p, r = a.shape
-        t = x.shape[0]
         xa = jnp.dot(x, a.reshape(n_in, n * p * r).astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
-        xa = xa.reshape(t, n, p * r) * self.mask[:, :, None]  # [T, N, P*r]: other slots' columns zeroed
+        return self._expand(xa, b, precision, x.dtype)
+
+    def _expand(self, xa: jax.Array, b: jax.Array, precision, dtype) -> jax.Array:
+        """xa [T, N*P*r] (every slot's shrink) -> delta [T, *out] in ``dtype``: other slots' columns zeroed
+        (exact: the mask is 0 or 1), then one matmul onto the fused output's layout."""
+        t, (n, p, r) = xa.shape[0], b.shape[:3]
+        xa = xa.reshape(t, n, p * r) * self.mask[:, :, None].astype(xa.dtype)  # [T, N, P*r]
         y = jnp.dot(
-            xa.reshape(t, n * p * r).astype(x.dtype), b.reshape(n * p * r, -1).astype(x.dtype),
+            xa.reshape(t, n * p * r).astype(dtype), b.reshape(n * p * r, -1).astype(dtype),
             precision=precision, preferred_element_type=jnp.float32,
         )  # [T, out]
-        return y.reshape(t, *b.shape[3:]).astype(x.dtype)
+        return y.reshape(t, *b.shape[3:]).astype(dtype)
+
+
+def fold(kernel: jax.Array, a: jax.Array) -> jax.Array:
+    """A base kernel [in, *out] and its group's A [in, N, P, r] -> WA [in, out + N*P*r], what ``LoRABatch.project``
+    multiplies by once for the base output and every slot's shrink (the base columns first)."""
+    n_in = kernel.shape[0]
+    return jnp.concatenate([kernel.reshape(n_in, -1), a.reshape(n_in, -1).astype(kernel.dtype)], axis=1)
 
 
 def slot_mask(slot_ids: jax.Array, num_slots: int) -> jax.Array:
@@ -156,6 +197,6 @@ def for_layers(flat: list[jax.Array] | None, slot_ids: jax.Array | None, num_lay
     if flat is None:
         return [None] * num_layers
     layers = unflatten_layers(flat, num_layers)
-    num_slots = layers[0]["o"][0].shape[1]
+    num_slots = layers[0]["o"][1].shape[0]  # B [N, P, r, *out]
     mask = slot_mask(slot_ids, num_slots)
     return [LoRABatch(w, mask) for w in layers]

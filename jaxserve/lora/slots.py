@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 from typing import Optional, Sequence
 
 import jax
@@ -26,20 +27,46 @@ import numpy as np
 from jaxserve import sharding
 from jaxserve.lora.peft_loader import LoRAAdapter, check_adapter, load_adapter
 from jaxserve.lora.request import LoRARequest
-from jaxserve.models.lora import layout_leaves
+from jaxserve.models.lora import fold, layout_leaves
 
 logger = logging.getLogger("jaxserve")
 
 
-def _write_slot(arrays: list[jax.Array], slot: jax.Array, new: list[jax.Array], is_a: tuple[bool, ...]) -> list[jax.Array]:
-    """Put one adapter's arrays into ``slot``: A [in, N, P, R] along axis 1, B [N, P, R, *out] along axis 0."""
-    return [a.at[:, slot].set(n) if a_axis else a.at[slot].set(n) for a, n, a_axis in zip(arrays, new, is_a)]
+def _write_slot(
+    arrays: list[jax.Array], slot: jax.Array, new: list[jax.Array], is_a: tuple[bool, ...], num_slots: int
+) -> list[jax.Array]:
+    """Put one adapter's arrays into ``slot``: A [in, N, P, R] along axis 1, B [N, P, R, *out] along axis 0; a
+    folded WA [in, out + N*P*R] (models/lora.py) gets the new A [in, P, R] as its slot's P*R columns."""
+    out = []
+    for a, n, a_axis in zip(arrays, new, is_a):
+        if a_axis and a.ndim == 2:
+            pr = n.shape[1] * n.shape[2]
+            start = a.shape[1] - (num_slots - slot) * pr  # the slots' columns follow the base's
+            out.append(jax.lax.dynamic_update_slice(a, n.reshape(n.shape[0], pr).astype(a.dtype), (0, start)))
+        else:
+            out.append(a.at[:, slot].set(n) if a_axis else a.at[slot].set(n))
+    return out
+
+
+def _fold_all(kernels: list, shapes: list[tuple], out_sharding) -> list[jax.Array]:
+    """Each base kernel [in, *out] with zero slots beside it: WA [in, out + N*P*R] (``models.lora.fold``). The
+    list is emptied as it goes, so each kernel is freed once folded (when the caller holds no other reference):
+    the peak is one kernel more, not the base weights twice."""
+    fold_one = jax.jit(lambda w, a_shape: fold(w, jnp.zeros(a_shape, w.dtype)), static_argnums=1, out_shardings=out_sharding)
+    out = []
+    for shape in shapes:
+        out.append(fold_one(kernels.pop(0), tuple(shape)))
+        jax.block_until_ready(out[-1])
+    return out
 
 
 class LoRASlots:
     """Device slots and host cache of LoRA adapters for one ModelRunner (one replica)."""
 
-    def __init__(self, lora_config, text_config, mesh: jax.sharding.Mesh) -> None:
+    def __init__(self, lora_config, text_config, mesh: jax.sharding.Mesh, base_kernels: list[jax.Array] | None = None) -> None:
+        """``base_kernels``: one base kernel per (layer, group) in ``layout_leaves`` order, to fold each group's A
+        into (``models.lora.fold``): the caller then drops its own references to them, so that the base
+        weights live only inside the folded arrays. Only on a one-device mesh, with the kernels in lora_dtype."""
         self.config = lora_config
         self.text_config = text_config
         self.num_slots = lora_config.max_loras  # array slots; a token's slot k (1..N) is index k - 1
@@ -51,12 +78,23 @@ class LoRASlots:
             sharding.logical_sharding(mesh, axes[:1] + axes[2:] if a else axes[1:], shape[:1] + shape[2:] if a else shape[1:])
             for (*_, shape, axes), a in zip(leaves, self.is_a)
         ]
-        self.arrays: list[jax.Array] = [
-            jax.device_put(np.zeros(shape, self.dtype), s) for (*_, shape, _), s in zip(leaves, shardings)
-        ]
+        self.folded = base_kernels is not None
+        if self.folded:
+            if mesh.size != 1:
+                raise ValueError(f"folding LoRA A into the base kernels needs a one-device mesh, got {mesh.size} devices")
+            shardings = [sharding.replicated(mesh) if a else s for s, a in zip(shardings, self.is_a)]
+            folded = iter(_fold_all(base_kernels, [shape for (*_, shape, _), a in zip(leaves, self.is_a) if a], sharding.replicated(mesh)))
+            self.arrays = [
+                next(folded) if a else jax.device_put(np.zeros(shape, self.dtype), s)
+                for (*_, shape, _), s, a in zip(leaves, shardings, self.is_a)
+            ]
+        else:
+            self.arrays = [jax.device_put(np.zeros(shape, self.dtype), s) for (*_, shape, _), s in zip(leaves, shardings)]
         self.shardings = shardings
+        self._leaves = leaves
+        self._folded_a = tuple(a and self.folded for a in self.is_a)
         self._write = jax.jit(
-            lambda arrays, slot, new: _write_slot(arrays, slot, new, self.is_a),
+            lambda arrays, slot, new: _write_slot(arrays, slot, new, self.is_a, self.num_slots),
             donate_argnums=0,
             in_shardings=(shardings, sharding.replicated(mesh), new_shardings),
             out_shardings=shardings,
@@ -72,7 +110,9 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+        """The adapters' bytes (a folded array's base kernel columns are the model's, not counted here)."""
+        pr = [math.prod(s[2:]) * self.num_slots * self.dtype.itemsize for (*_, s, _) in self._leaves]
+        return sum(a.shape[0] * n if folded_a else a.nbytes for a, n, folded_a in zip(self.arrays, pr, self._folded_a))
 
     # ---- host side ----
 
