@@ -60,15 +60,7 @@ class LLM:
         prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params)} entries but there are {len(prompts)} prompts; "
-                    "pass one SamplingParams or one per prompt"
-                )
+        params = _one_per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params", "one SamplingParams")
         # LLM returns finished outputs only: the engine need not build one per request per step.
         final_only = {}
         params = [final_only.setdefault(id(sp), sp.clone(output_kind="final_only")) for sp in params]
@@ -88,15 +80,7 @@ class LLM:
             tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
             if mm is not None:
                 tokenized[-1]["mm_inputs"] = mm
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(
-                    f"lora_request has {len(loras)} entries but there are {len(prompts)} prompts; "
-                    "pass one LoRARequest or one (or None) per prompt"
-                )
+        loras = _one_per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora_request", "one LoRARequest")
         for lora in {id(r): r for r in loras if r is not None}.values():
             engine.add_lora(lora)  # a bad adapter fails before anything is queued
         ids = [str(next(self._ids)) for _ in prompts]
@@ -209,3 +193,14 @@ def render_chat(tokenizer, conversation: Conversation, chat_template=None, add_g
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
         out = out["input_ids"]
     return list(out)
+
+
+def _one_per_prompt(value, single, n: int, name: str, what: str) -> list:
+    """``value`` for every prompt when it is one ``single``, else a sequence that must hold one per prompt."""
+    if isinstance(value, single):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries but there are {n} prompts; pass {what} or one per prompt")
+    return values
+

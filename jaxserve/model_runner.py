@@ -106,6 +106,14 @@ def run_model(model, input_ids, kv_caches: list, md: AttentionMetadata, aux_laye
     return hidden, [*layer_caches, store]
 
 
+def compile_in_parallel(lowered: dict) -> dict:
+    """{key: jax Lowered} -> {key: compiled program}, compiled side by side (XLA compiles without the GIL)."""
+    workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
+        jobs = {key: pool.submit(low.compile) for key, low in lowered.items()}
+        return {key: job.result() for key, job in jobs.items()}
+
+
 def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
     """StepInputs -> (tok_fields [5, T] (or [6, T] with LoRA slots), seq_fields [S, 3 + B]), int32.
     query_start_loc[0] is always 0 and is left out, so that the per-sequence fields share one row each."""

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model_runner import unpack_inputs
+from jaxserve.model_runner import compile_in_parallel, unpack_inputs
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import argmax
 
@@ -157,16 +157,11 @@ class RoundPrograms:
 
     def warmup(self) -> float:
         """Compile the start-up shapes side by side (XLA compiles without the GIL); returns seconds."""
-        import concurrent.futures
         import time
 
         start = time.perf_counter()
         lowered = {shape: self._lower(shape, (*self._lead(), *self._args(shape))) for shape in self.shapes()}
-        workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
-            done = {shape: pool.submit(low.compile) for shape, low in lowered.items()}
-            for shape, job in done.items():
-                self._programs[shape] = job.result()
+        self._programs.update(compile_in_parallel(lowered))
         return time.perf_counter() - start
 
     def __call__(self, x) -> jax.Array:

@@ -12,11 +12,9 @@ own step unchanged.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
-import os
 import time
 
 import jax
@@ -27,7 +25,14 @@ from flax import nnx
 from jaxserve import buckets
 from jaxserve.batch_builder import build_step_inputs
 from jaxserve.kv_scale_calibration import with_kv_scales
-from jaxserve.model_runner import ModelRunner, _dummy_inputs, pack_inputs, run_model, unpack_inputs
+from jaxserve.model_runner import (
+    ModelRunner,
+    _dummy_inputs,
+    compile_in_parallel,
+    pack_inputs,
+    run_model,
+    unpack_inputs,
+)
 from jaxserve.sampler import _with_logprobs
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -164,11 +169,7 @@ class VerifyRunner:
             rows[1], rows[2] = -1, s
             args = (*pack_inputs(x), rows, np.zeros(s, np.int32), r._kv_scales_arr)
             lowered[(t, b, n)] = self._step.lower(r.params, r.kv_caches, *args)
-        workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
-            jobs = {shape: pool.submit(low.compile) for shape, low in lowered.items()}
-            for shape, job in jobs.items():
-                self._programs[shape] = job.result()
+        self._programs.update(compile_in_parallel(lowered))
         return time.perf_counter() - start
 
     def fetch(self, handle) -> ModelRunnerOutput:
