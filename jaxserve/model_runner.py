@@ -226,13 +226,19 @@ class ModelRunner:
 
         cfg = text_config
         block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.block_size, self.kv_dtype)
+        # What one device holds of a block: 1/tp of its heads, and of the store's columns unless tp does not
+        # divide W (the store is then replicated: sharding.logical_spec).
+        device_block_bytes = block_bytes // tp
         if aux_hidden:  # the hidden-state store's rows and the EAGLE head's KV live at the same slots
-            block_bytes += self.block_size * (aux_hidden[1] * self.dtype.itemsize + aux_hidden[2])
+            store_bytes = self.block_size * aux_hidden[1] * self.dtype.itemsize
+            block_bytes += store_bytes + self.block_size * aux_hidden[2]
+            device_block_bytes += store_bytes if aux_hidden[1] % tp else store_bytes // tp
+            device_block_bytes += self.block_size * aux_hidden[2] // tp  # the head's KV: split by its KV heads
         self.num_blocks = num_blocks_for(
             cache_config,
             platform=runner_config.platform,
-            # Accelerators budget one device's memory, which holds 1/tp of every block's heads.
-            block_bytes=block_bytes if runner_config.platform == "cpu" else block_bytes // tp,
+            # Accelerators budget one device's memory.
+            block_bytes=block_bytes if runner_config.platform == "cpu" else device_block_bytes,
             max_model_len=model_config.max_model_len,
             max_num_seqs=scheduler_config.max_num_seqs,
             activation_reserve_bytes=self._activation_reserve_bytes(),
@@ -255,9 +261,9 @@ class ModelRunner:
         cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
         self.aux_layers = aux_hidden[0] if aux_hidden else ()
         if aux_hidden:
-            store_sharding = sharding.replicated(self.mesh)
-            self.kv_caches.append(jax.device_put(
-                jnp.zeros((self.num_blocks * self.block_size, aux_hidden[1]), self.dtype), store_sharding))
+            store_shape = (self.num_blocks * self.block_size, aux_hidden[1])
+            store_sharding = sharding.logical_sharding(self.mesh, sharding.AUX_STORE_AXES, store_shape)
+            self.kv_caches.append(jax.jit(lambda: jnp.zeros(store_shape, self.dtype), out_shardings=store_sharding)())
             cache_shardings = [*cache_shardings, store_sharding]
         batch_sharding = sharding.replicated(self.mesh)  # input ids and the whole AttentionMetadata
         logits_sharding = self._logits_sharding = sharding.logical_sharding(self.mesh, sharding.LOGITS_AXES)

@@ -49,12 +49,19 @@ LOGICAL_AXIS_RULES: dict[str, Optional[str]] = {
     "batch": None,
     "logits_vocab": None,
     "tokens": None,  # attention's per-token activations [T, H or K, Dh] are split by their heads axis
+    # EAGLE's hidden-state store [num_slots, W] (jaxserve.model_runner): split by width, as the KV cache is by
+    # heads, so that each device holds 1/tp of it (W = 3D for EAGLE-3: per token more than a device's share of
+    # an 8B model's KV at TP=8). A step writes its replicated hidden states into each device's columns without
+    # communication; the head's read gathers [T, W] rows, one small all-gather or all-reduce around its fc.
+    "store_slots": None,
+    "store_width": "model",
 }
 
 KV_CACHE_AXES = ("kv_blocks", "kv_block_slot", "kv_heads", "head_dim")  # [N, P, K, Dh]
 LOGITS_AXES = ("batch", "logits_vocab")  # [S, V]
 Q_AXES = ("tokens", "q_heads", "head_dim")  # q and attention's output [T, H, Dh]
 KV_NEW_AXES = ("tokens", "kv_heads", "head_dim")  # this step's k and v [T, K, Dh]
+AUX_STORE_AXES = ("store_slots", "store_width")  # EAGLE's hidden-state store [num_slots, W]
 
 
 def logical_spec(names: Sequence[Optional[str]], shape: Optional[Sequence[int]] = None, mesh: Optional[Mesh] = None):

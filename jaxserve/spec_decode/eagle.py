@@ -83,11 +83,20 @@ class EaglePrograms(RoundPrograms):
     name = "EAGLE proposal"
 
     def __init__(self, target_runner, head, d2t: np.ndarray, kv_caches, k: int) -> None:
+        from jaxserve import sharding
+
         r = target_runner
+        # Under tensor parallelism the head is sharded by the target's rules table, not replicated (small as it
+        # is): it is one more decoder layer of the target's shapes, so the same rules and the same per-device
+        # attention (a kernel backend's shard_map, EagleProposer.build) apply unchanged, and its KV cache splits
+        # by KV heads as the target's does and as the runner's memory budget counts it. Its fc and EAGLE-3's
+        # lm_head map to no mesh axis: replicated. XLA adds the collectives (after o_proj and down_proj, and
+        # around fc's read of the width-split hidden-state store).
         self.head_graph, head_state = nnx.split(head)
+        head_state = jax.device_put(head_state, sharding.param_shardings(head, r.mesh))  # no-op once load_head placed it
         self.head_params, self.head_tree = jax.tree.flatten(head_state)
         self.kv_caches = kv_caches  # [(k_pages, v_pages)]: the head's one layer
-        self.d2t = jnp.asarray(d2t)
+        self.d2t = jax.device_put(np.asarray(d2t, np.int32), sharding.replicated(r.mesh))  # [V_draft]
         fn = functools.partial(
             propose_eagle, r.graphdef, r._treedef, self.head_graph, self.head_tree, k, r.block_size,
             r.num_blocks * r.block_size, unrolled(),
@@ -128,22 +137,32 @@ class EagleProposer(FedRoundsMixin):
 
     @classmethod
     def build(cls, config, args, target_runner, target_text_config, progress: bool) -> "EagleProposer":
+        from jaxserve import sharding
         from jaxserve.kv_cache import allocate_kv_caches
-        from jaxserve.pallas_kernels.attention import get_attention_fn
+        from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn
         from jaxserve.spec_decode.eagle_loader import load_head, read_spec
 
         r = target_runner
-        if r.mesh.shape["model"] > 1:
-            raise ValueError(f"speculative_config method={config.method!r} with tensor_parallel_size="
-                             f"{r.mesh.shape['model']} is not built yet: use tensor_parallel_size=1")
+        rc = r.runner_config
         spec = read_spec(config.model, config.method, target_text_config)
-        head, d2t = load_head(
-            spec, config.model, dtype=r.dtype, attention_fn=get_attention_fn(r.runner_config.attention_backend,
-            r.runner_config.platform), seed=args.seed, dummy=args.load_format == "dummy",
-            fp32_matmul_precision=r.model_config.fp32_matmul_precision,
-        )  # fmt: skip
         c = spec.config
-        kv = allocate_kv_caches(1, r.num_blocks, r.block_size, c.num_key_value_heads, c.head_dim, r.dtype)
+        tp = r.mesh.shape["model"]
+        attention_fn = get_attention_fn(rc.attention_backend, rc.platform)
+        if tp > 1:  # the head is sharded as the target is (EaglePrograms): whole heads per device
+            try:
+                sharding.check_tensor_parallel(c, tp)
+            except ValueError as e:
+                raise ValueError(f"speculative_config model={config.model!r} (the EAGLE head): {e}") from None
+            if rc.attention_backend not in GATHER_BACKENDS:
+                attention_fn = sharding.shard_attention(attention_fn, r.mesh)
+        head, d2t = load_head(
+            spec, config.model, dtype=r.dtype, attention_fn=attention_fn, seed=args.seed,
+            dummy=args.load_format == "dummy", fp32_matmul_precision=r.model_config.fp32_matmul_precision,
+            shardings_fn=sharding.shardings_fn(r.mesh),
+        )  # fmt: skip
+        kv_shape = (r.num_blocks, r.block_size, c.num_key_value_heads, c.head_dim)
+        kv = allocate_kv_caches(1, *kv_shape, r.dtype,
+                                sharding=sharding.logical_sharding(r.mesh, sharding.KV_CACHE_AXES, kv_shape))
         programs = EaglePrograms(r, head, d2t, kv, config.num_speculative_tokens)
         sc = r.scheduler_config
         proposer = cls(programs, sc.max_num_batched_tokens, sc.max_num_seqs)

@@ -94,8 +94,11 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
     return {name.removeprefix("model."): v for name, v in out.items()}
 
 
-def load_head(spec: EagleSpec, path: str, *, dtype, attention_fn, seed: int, dummy: bool, fp32_matmul_precision):
-    """(EagleHead, d2t [V_draft] int32 numpy). ``dummy``: random weights of the config's shape (benchmarks)."""
+def load_head(
+    spec: EagleSpec, path: str, *, dtype, attention_fn, seed: int, dummy: bool, fp32_matmul_precision, shardings_fn=None
+):  # fmt: skip
+    """(EagleHead, d2t [V_draft] int32 numpy). ``dummy``: random weights of the config's shape (benchmarks), on the
+    default device; else each weight is placed as ``shardings_fn(abstract head)`` says (jaxserve.sharding)."""
     from flax import nnx
 
     from jaxserve.models.eagle import EagleHead
@@ -111,4 +114,5 @@ def load_head(spec: EagleSpec, path: str, *, dtype, attention_fn, seed: int, dum
         return EagleHead(spec.config, spec.version, rngs=nnx.Rngs(seed), **kw), d2t
     abstract = nnx.eval_shape(lambda: EagleHead(spec.config, spec.version, rngs=nnx.Rngs(0), **kw))
     weights = {name: v for name, v in tensors.items() if name not in _UNUSED and name != "d2t"}
-    return load_weights(abstract, weights, tied_embeddings=False), d2t
+    shardings = shardings_fn(abstract) if shardings_fn is not None else None
+    return load_weights(abstract, weights, tied_embeddings=False, shardings=shardings), d2t
