@@ -38,3 +38,32 @@ def small_engine_kwargs(**overrides):
         # in one process would find none left: size it as on CPU (every sequence at full length, + null block).
         kw["num_gpu_blocks_override"] = kw["max_num_seqs"] * -(-kw["max_model_len"] // kw["block_size"]) + 1
     return kw
+
+
+def speculative_engine(speculative_config: dict, target: str = "llama_gqa", **kw):
+    """A small engine over a tiny target with ``speculative_config``, compiling on first use; with a draft model or
+    an EAGLE head, rounds fed by the verify step are on (on CPU off by default: jaxserve.spec_decode.speculator)."""
+    from jaxserve import LLM
+
+    llm = LLM(checkpoint(target), **small_engine_kwargs(speculative_config=speculative_config,
+                                                        **{"precompile": "none", **kw}))
+    if speculative_config["method"] != "ngram":
+        llm.llm_engine.speculator.fed_rounds = True
+    return llm
+
+
+def generate(llm, prompts, params, speculate: bool = True) -> list:
+    """``llm.generate``; ``speculate=False`` switches the engine's speculator off for the call: the plain engine,
+    on the same weights and cache, which speculation must match token for token."""
+    engine = llm.llm_engine
+    saved = engine.speculator
+    engine.speculator = saved if speculate else None
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.speculator = saved
+
+
+def completions(outs) -> list:
+    """Per request, each completion's (token ids, text, finish reason): what exactness tests compare."""
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]

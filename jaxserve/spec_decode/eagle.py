@@ -15,6 +15,9 @@ feeding (proposal j - 1, the head's previous output) at position N - 2 + j. Thos
 guesses, not the target's hidden states, so after the round ``valid`` = N - 1 whatever is accepted: the next
 round's catch-up is the accepted tokens plus the bonus (1..k+1 pairs). A preempted request starts from 0.
 
+Tensor parallelism: the head is sharded as one more decoder layer of the target (``EaglePrograms`` says why), and
+the store is split by its width W over the mesh's ``model`` axis (jaxserve.sharding's ``store_width``).
+
 Prefix-cache sharing: a request that shares another's blocks writes the same head KV into them (the same pairs),
 except at the last position of the last shared block when the two diverge right after it (the pair holds the
 next token): there the later writer's pair wins. Only proposals can suffer from that, never the output.
@@ -101,7 +104,11 @@ class EaglePrograms(RoundPrograms):
             propose_eagle, r.graphdef, r._treedef, self.head_graph, self.head_tree, k, r.block_size,
             r.num_blocks * r.block_size, unrolled(),
         )  # fmt: skip
-        super().__init__(target_runner, k, jax.jit(fn, donate_argnums=2))
+        # (proposals [S, k], the head's cache): the cache comes back in the layout it went in with, which the
+        # compiled programs were lowered for (XLA's own choice drops the spec's trailing None: equivalent, but
+        # stated here so that no partitioner change can hand the next call another layout).
+        self.out_shardings = (sharding.replicated(r.mesh), [(kv_caches[0][0].sharding,) * 2])
+        super().__init__(target_runner, k, jax.jit(fn, donate_argnums=2, out_shardings=self.out_shardings))
 
     def _lead(self) -> tuple:
         r = self.runner

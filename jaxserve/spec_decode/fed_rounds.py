@@ -112,7 +112,8 @@ class FedPrograms(RoundPrograms):
         else:  # DraftPrograms: the draft runner's weights and cache
             fn = functools.partial(propose_fed_draft, r.graphdef, r._treedef, k, r.block_size, num_slots, unrolled())
             donate = 1
-        super().__init__(r, k, jax.jit(fn, donate_argnums=donate, static_argnames="num_tokens"))
+        out = {"out_shardings": rounds.out_shardings} if hasattr(rounds, "out_shardings") else {}  # EAGLE's
+        super().__init__(r, k, jax.jit(fn, donate_argnums=donate, static_argnames="num_tokens", **out))
 
     def _lead(self) -> tuple:
         return self.rounds._lead()

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from engine_fixtures import _ROOT, checkpoint, small_engine_kwargs
+from engine_fixtures import _ROOT, checkpoint, completions, generate, small_engine_kwargs, speculative_engine
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve import LLM, SamplingParams
@@ -20,28 +20,11 @@ def _ids(n, seed=0):
     return np.random.default_rng(seed).integers(2, 500, size=n).tolist()
 
 
-def _engine(draft_variant, **kw):
-    spec = {"method": "draft_model", "model": checkpoint(draft_variant), "num_speculative_tokens": K}
-    llm = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none", **kw))
-    llm.llm_engine.speculator.fed_rounds = True  # on CPU off by default (spec_decode.speculator): test them
-    return llm
-
-
-def _generate(llm, prompts, params, speculate=True):
-    engine = llm.llm_engine
-    saved = engine.speculator
-    engine.speculator = saved if speculate else None
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
-    finally:
-        engine.speculator = saved
-
-
 @pytest.fixture(scope="module")
 def llm():
     # The target as its own draft: every greedy proposal is right. 28 blocks of 4: preemption under load.
-    return _engine("llama_gqa", num_gpu_blocks_override=28)
+    spec = {"method": "draft_model", "model": checkpoint("llama_gqa"), "num_speculative_tokens": K}
+    return speculative_engine(spec, num_gpu_blocks_override=28)
 
 
 def _run_exact(llm):
@@ -49,10 +32,10 @@ def _run_exact(llm):
     prompts = [{"prompt_token_ids": shared + _ids(3 + i, 20 + i)} for i in range(4)]
     prompts.append({"prompt_token_ids": _ids(40, 40)})  # 40 > the 32-token budget: chunked prefill
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (28, 9, 21, 14, 17)]
-    plain = _generate(llm, prompts, params, speculate=False)
+    plain = completions(generate(llm, prompts, params, speculate=False))
     engine = llm.llm_engine
     preempted, hits = engine.scheduler.num_preemptions, engine.scheduler.prefix_cache_hits
-    assert _generate(llm, prompts, params) == plain
+    assert completions(generate(llm, prompts, params)) == plain
     assert engine.scheduler.num_preemptions > preempted and engine.scheduler.prefix_cache_hits > hits
 
 

@@ -13,12 +13,15 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
-from engine_fixtures import _ROOT, checkpoint, small_engine_kwargs
+from engine_fixtures import _ROOT, checkpoint, completions, generate, speculative_engine
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
+from tiny_models import hf_greedy
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams, sharding
 
 K = 3
 D, H, KV, DH, F, V, VD = 64, 4, 2, 16, 128, 512, 300  # the llama_gqa target's widths; VD: EAGLE-3's draft vocab
@@ -79,20 +82,7 @@ def _ids(n, seed=0):
 
 def _engine(version: int, **kw):
     spec = {"method": "eagle" if version == 1 else "eagle3", "model": make_head(version), "num_speculative_tokens": K}
-    llm = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, **{"precompile": "none", **kw}))
-    llm.llm_engine.speculator.fed_rounds = True  # on CPU off by default (spec_decode.speculator): test them
-    return llm
-
-
-def _generate(llm, prompts, params, speculate=True):
-    engine = llm.llm_engine
-    saved = engine.speculator
-    engine.speculator = saved if speculate else None
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
-    finally:
-        engine.speculator = saved
+    return speculative_engine(spec, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -107,28 +97,28 @@ def test_greedy_exact(llm):
     prompts = [{"prompt_token_ids": shared + _ids(3 + i, 20 + i)} for i in range(4)]
     prompts.append({"prompt_token_ids": _ids(40, 40)})  # 40 > the 32-token budget: chunked prefill
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (28, 7, 21, 14, 17)]
-    plain = _generate(llm, prompts, params, speculate=False)
+    plain = completions(generate(llm, prompts, params, speculate=False))
     engine = llm.llm_engine
     preempted, hits = engine.scheduler.num_preemptions, engine.scheduler.prefix_cache_hits
     stats = engine.speculator.stats
     drafts = stats.num_drafts
-    assert _generate(llm, prompts, params) == plain
+    assert completions(generate(llm, prompts, params)) == plain
     assert engine.scheduler.num_preemptions > preempted and engine.scheduler.prefix_cache_hits > hits
     assert stats.num_drafts > drafts and engine.speculator.num_fed_rounds > 0
     # A stop string inside the text (wherever a step's accepted tokens reach it), alone in the engine.
     text = plain[0][0][1]
     stop = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, stop=[text[12:15]])
     one = [prompts[0]]
-    ref = _generate(llm, one, [stop], speculate=False)
-    assert ref[0][0][2] == "stop" and _generate(llm, one, [stop]) == ref
+    ref = completions(generate(llm, one, [stop], speculate=False))
+    assert ref[0][0][2] == "stop" and completions(generate(llm, one, [stop])) == ref
 
 
 def test_sampled_rows_complete_and_follow_the_seed(llm):
     sp = [SamplingParams(temperature=1.0, seed=s, max_tokens=15, ignore_eos=True) for s in (1, 2)]
     prompts = [{"prompt_token_ids": _ids(9, 50 + i)} for i in range(2)]
-    first = _generate(llm, prompts, sp)
+    first = completions(generate(llm, prompts, sp))
     assert [len(o[0][0]) for o in first] == [15, 15]
-    assert _generate(llm, prompts, sp) == first
+    assert completions(generate(llm, prompts, sp)) == first
 
 
 def test_head_cache_consistent_after_rejections(llm):
@@ -191,15 +181,16 @@ def _head(t, version, emb, hidden):  # (embeddings of tokens i + 1, hidden state
     return x + (gate / (1 + np.exp(-gate)) * up) @ t[f"{p}.mlp.down_proj.weight"].T
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_head_proposals_match_a_reference(version, request):
+def _first_proposals_match_a_reference(engine, version: int, max_tokens: int = 8):
+    """A 12-token greedy prompt's first step (the prompt, then the head proposes): the head's k proposals equal
+    those of a numpy re-implementation over the target's hidden states (transformers' ``output_hidden_states``).
+    Returns the request, still running."""
     import torch
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
-    engine = (_engine(1) if version == 1 else request.getfixturevalue("llm")).llm_engine
-    engine.add_request("r", {"prompt_token_ids": _ids(12, 3)}, SamplingParams(temperature=0, max_tokens=8))
-    engine.step()  # the prompt, then the head proposes
+    engine.add_request("r", {"prompt_token_ids": _ids(12, 3)}, SamplingParams(temperature=0, max_tokens=max_tokens))
+    engine.step()
     r = engine.scheduler.running[0]
     tokens, proposals = list(r.all_token_ids), list(r.spec_token_ids)
     assert len(tokens) == 13 and len(proposals) == K
@@ -223,6 +214,13 @@ def test_head_proposals_match_a_reference(version, request):
         seq.append(nxt)
         hidden = np.concatenate([hidden, x[-1:]], 0)
     assert proposals == seq[len(tokens) :]
+    return r
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_head_proposals_match_a_reference(version, request):
+    engine = (_engine(1) if version == 1 else request.getfixturevalue("llm")).llm_engine
+    _first_proposals_match_a_reference(engine, version)
     if version == 1:
         # A single stream, to its end (max_tokens cuts the last proposals), uses only programs that
         # precompile="common" compiles at start-up (this engine compiled them on first use instead: cheaper here).
@@ -232,3 +230,29 @@ def test_head_proposals_match_a_reference(version, request):
         spec.verifier.runner.runner_config = dataclasses.replace(engine.runner.runner_config, precompile="common")
         assert spec.stats.num_drafts > 2 and set(spec.verifier._programs) <= set(spec.verifier.startup_shapes())
         assert set(spec.draft.programs._programs) <= set(spec.draft.programs.shapes())
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+@pytest.mark.parametrize("version", [1, 3])
+def test_tensor_parallel(version, request):
+    """tensor_parallel_size=2: the head sharded as the target's layers, the hidden-state store split by width
+    (jaxserve.sharding). Its proposals still match the reference, a greedy request (rounds fed by the verify step
+    included) gives transformers' greedy tokens (as the plain engine does at TP=1 and 2: test_tp_dp), and seeded
+    sampled requests give the TP=1 EAGLE-3 engine's tokens (the same proposals, hence the same rejection-sampling
+    draws). Few requests: every new shape compiles on first use here, for TP=2."""
+    llm = _engine(version, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    r = _first_proposals_match_a_reference(engine, version, max_tokens=16)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert r.output_token_ids == hf_greedy(checkpoint("llama_gqa"), r.prompt_token_ids, 16)
+    assert engine.speculator.stats.num_drafts > 2 and engine.speculator.num_fed_rounds > 0
+    runner, draft = engine.runner, engine.speculator.draft
+    assert runner.kv_caches[-1].sharding.spec == P(None, "model")  # the store [num_slots, W]
+    for pages in draft.programs.kv_caches[0]:  # the head's KV cache: by KV heads, as the target's
+        assert pages.sharding.spec == sharding.logical_spec(sharding.KV_CACHE_AXES) == P(None, None, "model", None)
+    if version == 3:
+        tp1 = request.getfixturevalue("llm")
+        sp = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True) for s in (1, 2)]
+        sampled = [{"prompt_token_ids": _ids(9, 50 + i)} for i in range(2)]
+        assert completions(generate(llm, sampled, sp)) == completions(generate(tp1, sampled, sp))

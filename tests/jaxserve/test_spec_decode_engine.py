@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_fixtures import checkpoint, small_engine_kwargs
+from engine_fixtures import checkpoint, generate, small_engine_kwargs
 
 from jaxserve import LLM, SamplingParams
 
@@ -37,16 +37,6 @@ def _summary(outs):
 
 def _logprobs(outs):
     return [[c.logprobs for c in o.outputs] for o in outs]
-
-
-def _generate(llm, prompts, params, speculate=True):
-    engine = llm.llm_engine
-    saved = engine.speculator
-    engine.speculator = saved if speculate else None
-    try:
-        return llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        engine.speculator = saved
 
 
 class _Oracle:
@@ -81,7 +71,7 @@ def _params_mix(stop_tok, stop_str):
 
 def _prompts_and_params(llm):
     prompt = _repetitive(12, 1)
-    base = _generate(llm, [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    base = generate(llm, [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                      speculate=False)[0].outputs[0]
     params = _params_mix(base.token_ids[9], base.text[12:15])
     prompts = [{"prompt_token_ids": prompt if i < 3 else _repetitive(5 + 3 * i, i)} for i in range(len(params))]
@@ -89,8 +79,8 @@ def _prompts_and_params(llm):
 
 
 def _check_same(llm, prompts, params):
-    plain = _generate(llm, prompts, params, speculate=False)
-    spec = _generate(llm, prompts, params)
+    plain = generate(llm, prompts, params, speculate=False)
+    spec = generate(llm, prompts, params)
     assert _summary(spec) == _summary(plain)
     for a_out, b_out in zip(_logprobs(spec), _logprobs(plain)):
         for a, b in zip(a_out, b_out):
@@ -116,7 +106,7 @@ def test_ngram_greedy_equals_plain_across_stops(llm):
 
 def test_every_acceptance_length_is_exact(llm):
     prompts, params = _prompts_and_params(llm)
-    plain = _generate(llm, prompts, params, speculate=False)
+    plain = generate(llm, prompts, params, speculate=False)
     spec_ = llm.llm_engine.speculator
     saved, spec_.ngram = spec_.ngram, _Oracle([p["prompt_token_ids"] + c.token_ids for p, o in zip(prompts, plain)
                                                 for c in o.outputs])
@@ -139,10 +129,10 @@ def test_preemption_and_prefix_caching(llm):
     shared = _repetitive(10, 7)
     prompts = [{"prompt_token_ids": shared + _ids(3 + i, 20 + i)} for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
-    plain = _generate(small, prompts, params, speculate=False)
+    plain = generate(small, prompts, params, speculate=False)
     engine = small.llm_engine
     preempted, hits = engine.scheduler.num_preemptions, engine.scheduler.prefix_cache_hits
-    spec = _generate(small, prompts, params)
+    spec = generate(small, prompts, params)
     assert _summary(spec) == _summary(plain)
     assert engine.scheduler.num_preemptions > preempted and engine.scheduler.prefix_cache_hits > hits
     assert engine.speculator.stats.num_accepted_tokens > 0
@@ -151,8 +141,8 @@ def test_preemption_and_prefix_caching(llm):
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     sp = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=16, ignore_eos=True)
     prompt = {"prompt_token_ids": _repetitive(9, 4)}
-    alone = _summary(_generate(llm, [prompt], sp))
-    batched = _summary(_generate(llm, [prompt, {"prompt_token_ids": _ids(20, 5)}], sp))
+    alone = _summary(generate(llm, [prompt], sp))
+    batched = _summary(generate(llm, [prompt, {"prompt_token_ids": _ids(20, 5)}], sp))
     assert batched[0] == alone[0] and len(alone[0][0][0]) == 16
 
 
