@@ -4,7 +4,7 @@ Exactness is by construction (the target verifies every proposal), so greedy out
 engine's token for token, across chunked prefill, prefix caching, preemption, a stop string and max_tokens
 cut-offs inside a step. That alone would hide a wrongly computed head (its proposals would just be rejected),
 so the head's proposals are also compared with a numpy re-implementation over the target's hidden states
-(transformers' ``output_hidden_states``).
+(transformers' ``output_hidden_states``), at tensor_parallel_size=1 and 2 (the fake CPU devices of conftest).
 """
 
 from __future__ import annotations
