@@ -47,6 +47,7 @@ def _decode_kernel(
     aliased: bool,
     precision: lax.Precision | None,
     compute_dtype=None,
+    mask_tail_only: bool = False,
 ):
     out_refs = refs[1:] if aliased else refs
     if heads_inner:
@@ -79,18 +80,28 @@ def _decode_kernel(
     hi = jnp.minimum(seq_len, (split + 1) * tokens_per_split)
     n_tiles = jnp.where(active, pl.cdiv(jnp.maximum(hi - lo, 0), tile_tokens), 0)
 
-    def body(i, carry):
+    def body(i, carry, masked=True):
         tok0 = lo + i * tile_tokens
-        kv_pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 1)  # [M, TK]
         # K needs no masking (masked logits are replaced); V does unless v_mask is "none".
         k = tc.load_kv_tile(k_ref, tables_ref, s, tok0, kh, tile_tokens, dtype=q.dtype)  # [TK, D]
-        v = tc.load_kv_tile(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mask, q.dtype)  # [TK, D]
-        visible = kv_pos <= q_pos
-        if sliding_window is not None:
-            visible &= kv_pos > q_pos - sliding_window
+        v_mode = v_mask if masked else "none"
+        v = tc.load_kv_tile(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mode, q.dtype)  # [TK, D]
+        visible = None
+        if masked:
+            kv_pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 1)  # [M, TK]
+            visible = kv_pos <= q_pos
+            if sliding_window is not None:
+                visible &= kv_pos > q_pos - sliding_window
         return tc.online_softmax_step(q, k, v, visible, carry, scale=scale, precision=precision)
 
-    acc, m, l = lax.fori_loop(0, n_tiles, body, tc.init_carry(rows, head_dim))
+    carry = tc.init_carry(rows, head_dim)
+    n_full = 0
+    if mask_tail_only and sliding_window is None:
+        # Tiles that end at or before the first row's position are seen whole by every row and hold no token
+        # past seq_len: they skip the logit and V selects, which cost the fp8 loop ~7% of its time.
+        n_full = jnp.minimum(lax.div(jnp.maximum(seq_len - q_len + 1 - lo, 0), jnp.int32(tile_tokens)), n_tiles)
+        carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    acc, m, l = lax.fori_loop(n_full, n_tiles, body, carry)
     # Only the rows of this sequence's real tokens are stored: the next rows belong to other sequences.
     if len(out_refs) == 1:  # one split: normalise here and store the final rows
         (o_ref,) = out_refs
@@ -165,6 +176,8 @@ def decode_attention(
     # The products' operand type when it is not q's: float16 over an fp8 cache, whose tiles convert to
     # float16 in fewer instructions than to bfloat16 (e5m2 is float16's top byte).
     compute_dtype=None,
+    # Mask logits and V only in the tiles that need it (those reaching past the first row's position).
+    mask_tail_only: bool = False,
     out: jax.Array | None = None,  # [T', K, Gp, D]: write the decode rows into this buffer (aliased)
     interpret: bool,
 ) -> jax.Array:  # `out` with the decode tokens' rows written, else a new [T + QA, K, Gp, D] holding only those
@@ -192,6 +205,7 @@ def decode_attention(
         v_mask=v_mask,
         heads_inner=heads_inner,
         compute_dtype=compute_dtype,
+        mask_tail_only=mask_tail_only,
         aliased=aliased and single,
         precision=prec.resolve(precision, q_p.dtype),
     )

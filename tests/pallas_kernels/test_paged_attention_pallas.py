@@ -82,15 +82,18 @@ def test_mixed_ragged_batch(h, kh, d, dtype, p):
     np.testing.assert_array_equal(np.asarray(v_pages, np.float32), np.asarray(v_ref, np.float32))
 
 
-@pytest.mark.parametrize("splits,heads_inner", [(4, True), (3, False), (1, True)])
-def test_decode_only_long_context_split(splits, heads_inner):
-    """Pure decode with the context split in parts (the merge kernel must be exact), either grid order."""
+@pytest.mark.parametrize("splits,heads_inner,tail_only", [(4, True, False), (3, False, False), (1, True, False), (3, True, True)])
+def test_decode_only_long_context_split(splits, heads_inner, tail_only):
+    """Pure decode with the context split in parts (the merge kernel must be exact), either grid order;
+    with decode_mask_tail_only, a split's whole tiles run unmasked."""
     rng = np.random.default_rng()
     batch = make_batch(
         rng, q_lens=[1, 1, 1, 2], ctx_lens=[97, 1, 64, 130], num_heads=8, num_kv_heads=2, head_dim=64,
         block_size=8, dtype=jnp.float32, pad_seqs=1,
     )  # fmt: skip
-    cfg = GpuKernelConfig(decode_tile_tokens=16, decode_splits=splits, decode_heads_inner=heads_inner)
+    cfg = GpuKernelConfig(
+        decode_tile_tokens=16, decode_splits=splits, decode_heads_inner=heads_inner, decode_mask_tail_only=tail_only
+    )
     out, _, _ = _run(batch, scale=0.125, config=cfg)
     _check(batch, out, scale=0.125)
 
