@@ -1,11 +1,14 @@
-"""Qwen2-VL's host-side batching: LLM.generate's threaded image preprocessing keeps the first bad prompt's error."""
+"""Qwen2-VL's host-side batching: a step's uncached images go through the tower together (one call per patch
+bucket), giving HF's greedy tokens and the one-image-per-call path's, with a chunk boundary inside an image;
+and LLM.generate's threaded image preprocessing keeps prompt order and the first bad prompt's error."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_qwen2_vl import image, tiny_qwen2_vl
+from tiny_qwen2_vl import IMG, hf_greedy, image, tiny_qwen2_vl
 
+from jaxserve import vision_runner
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
@@ -36,6 +39,41 @@ def _prompts():
         "hello the world of the",
         {"prompt": f"other words {PH} same picture", "multi_modal_data": {"image": image(112, 112, 11)}},
     ]
+
+
+def _run(llm, prompts):
+    vision = llm.llm_engine.runner.vision
+    before = vision.num_encoded, vision.num_encode_calls
+    outs = llm.generate(prompts, _params(), use_tqdm=False)
+    return outs, vision.num_encoded - before[0], vision.num_encode_calls - before[1]
+
+
+def _forget_images(llm):
+    vision = llm.llm_engine.runner.vision
+    vision.entries.clear()
+    vision.free_rows = list(range(vision.num_rows - 1, -1, -1))
+
+
+def test_a_steps_images_share_calls_and_match_hf_and_one_per_call(llm, monkeypatch):
+    prompts = _prompts()
+    outs, encoded, calls = _run(llm, prompts)
+    # Step 1: the 64-row bucket's two images in one call, the 128-row one (cut by the chunk's end) in another;
+    # step 2: the fourth image. The repeated picture is a cache hit.
+    assert (encoded, calls) == (4, 3)
+    assert [o.prompt_token_ids for o in outs] == [llm.llm_engine.prepare_prompt(p)[1] for p in prompts]  # order
+    ids = outs[1].prompt_token_ids
+    second = ids.index(IMG, ids.index(IMG) + 4)  # the second image's first token (the first has 4)
+    cut = 48 - len(outs[0].prompt_token_ids)  # where step 1 ends in prompt 1
+    assert second < cut < second + 24  # inside the second image (24 tokens)
+    for p, o in zip(prompts, outs):
+        images = p.get("multi_modal_data", {}).get("image", []) if isinstance(p, dict) else []
+        images = images if isinstance(images, list) else [images]
+        assert o.outputs[0].token_ids == hf_greedy(llm.engine_args.model, o.prompt_token_ids, images, N)
+    _forget_images(llm)
+    monkeypatch.setattr(vision_runner, "_MAX_BATCH_ROWS", 1)  # one image per call, as before batching
+    single, encoded, calls = _run(llm, prompts)
+    assert encoded == calls == 4
+    assert [o.outputs[0].token_ids for o in single] == [o.outputs[0].token_ids for o in outs]
 
 
 def test_a_bad_image_fails_its_prompt_before_anything_is_queued(llm):

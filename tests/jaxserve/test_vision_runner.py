@@ -17,9 +17,10 @@ from jaxserve.vision_runner import VisionRunner, patch_bucket, pool_rows
 def _runner(num_rows: int) -> VisionRunner:
     v = object.__new__(VisionRunner)
     v.num_rows, v.entries, v.free_rows = num_rows, collections.OrderedDict(), list(range(num_rows - 1, -1, -1))
-    v._pinned, v.num_encoded, v.num_cache_hits = set(), 0, 0
-    v.encoded = []
-    v._encode_image = lambda img, rows: v.encoded.append(img.hash)  # no device: record the miss
+    v._pinned, v._misses, v.num_encoded, v.num_cache_hits = set(), [], 0, 0
+    v.encoded, v.calls = [], []
+    # No device: record each vision call's (patch bucket, images).
+    v._encode_batch = lambda bucket, items: (v.encoded.extend(i.hash for i, _ in items), v.calls.append((bucket, len(items))))
     return v
 
 
@@ -71,7 +72,27 @@ def test_eviction_prefers_idle_lru_and_never_the_steps_own():
     v._lookup(c)  # a hit, in the same step as b
     with pytest.raises(RuntimeError, match="encoder cache"):
         v._lookup(_img("d", 0, 4))  # c and b are both read by this step
-    assert v.num_cache_hits == 1 and v.encoded == [a.hash, b.hash, c.hash, b.hash]
+    assert v.num_cache_hits == 1 and [i.hash for i, _ in v._misses] == [a.hash, b.hash, c.hash, b.hash]
+
+
+def test_a_steps_misses_are_encoded_together_by_bucket():
+    """Misses go in one call per patch bucket (the step's reads of them are hits); a step whose images do
+    not fit the pool raises and leaves no entry whose rows were never written."""
+    v = _runner(64)
+    rope = np.zeros((3, 40), np.int32)
+    small = [_img(n, 4 * k, 4) for k, n in enumerate("abc")]  # 16 patch rows each: the 64-row bucket
+    big = _img("d", 12, 20)  # 80 patch rows: the 128-row bucket
+    seqs = [_Seq("r1", [0] * 40, 0, MultiModalInputs((small[0], small[1], big), rope, 0)),
+            _Seq("r2", [0] * 40, 0, MultiModalInputs((small[2], _img("a", 0, 4)), rope, 0))]  # fmt: skip
+    v.step_fields(seqs, np.zeros(80, np.int32), np.array([0, 40, 80]))
+    assert sorted(v.calls) == [(64, 3), (128, 1)] and v.num_cache_hits == 1  # "a" twice: one miss, one hit
+    v.calls.clear()
+    huge = [_img(n, 0, 40) for n in "xy"]  # 80 rows for 64: more than the pool
+    seqs = [_Seq(f"s{k}", [0] * 40, 0, MultiModalInputs((img,), rope, 0)) for k, img in enumerate(huge)]
+    with pytest.raises(RuntimeError, match="encoder cache"):
+        v.step_fields(seqs, np.zeros(80, np.int32), np.array([0, 40, 80]))
+    assert not v.calls and huge[0].hash not in v.entries and len(v.free_rows) + sum(
+        len(e.rows) for e in v.entries.values()) == 64  # fmt: skip
 
 
 def test_small_helpers():
