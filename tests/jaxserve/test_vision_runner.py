@@ -56,6 +56,22 @@ def test_fields_across_a_chunk_boundary_and_past_the_prompt():
     assert f3[:, 0].tolist() == [5, 5, 5, -1]
 
 
+def test_mixed_step_rows_equal_each_requests_own():
+    """Decodes of vision-language requests (p + delta, vectorized), text requests (p), a prompt chunk and
+    padding tokens in one step: each token's rows are its request's ``rope_rows`` (text: p)."""
+    rope = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
+    mms = [MultiModalInputs((_img(f"{k}", 2, 4),), rope + k, mrope_delta=k - 5) for k in range(3)]
+    seqs = [_Seq("d0", [0], 9, mms[0]), _Seq("t", [0, 0], 3, None), _Seq("d2", [0, 0, 0], 8, mms[2]),
+            _Seq("p1", [0] * 5, 0, mms[1]), _Seq("d1", [0], 12, mms[1])]  # fmt: skip
+    qsl = np.cumsum([0] + [len(q.token_ids) for q in seqs] + [0, 0]).astype(np.int32)  # two padding sequences
+    pos = np.concatenate([q.start_pos + np.arange(len(q.token_ids)) for q in seqs] + [[0, 0]]).astype(np.int32)
+    fields = _runner(16).step_fields(seqs, pos, qsl)
+    want = np.concatenate([q.mm.rope_rows(pos[a:b]) if q.mm else np.stack([pos[a:b]] * 3)
+                           for q, a, b in zip(seqs, qsl, qsl[1:])] + [np.zeros((3, 2), np.int32)], axis=1)  # fmt: skip
+    assert fields[:3].tolist() == want.tolist()
+    assert (fields[3, 8:11] >= 0).all() and (np.delete(fields[3], [8, 9, 10]) == -1).all()  # p1's image: its 2-4
+
+
 def test_eviction_prefers_idle_lru_and_never_the_steps_own():
     v = _runner(8)
     a, b, c = _img("a", 0, 4), _img("b", 0, 4), _img("c", 0, 4)
