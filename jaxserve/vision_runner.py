@@ -115,9 +115,9 @@ class VisionRunner:
         fields[:3] = positions[None, :]
         fields[3] = -1
         # A request past its prompt (every decode) sits at p + delta on all three rows and reads no image:
-        # one per-sequence delta [S], repeated over its tokens, so a decode step costs no per-sequence numpy
-        # call (128 of them were ~0.3 ms of host time a step). Text requests add 0; prompt chunks are
-        # written whole below.
+        # one per-sequence delta [S], repeated over its tokens, so a decode step makes no numpy call per
+        # sequence (128 of them took 0.18 ms a step on CPU; now 16 us). Text requests add 0; prompt chunks
+        # are written whole below.
         deltas = np.zeros(s, np.int32)  # [S]
         in_prompt = []  # indices of vision-language requests with prompt tokens in this step
         for i, seq in enumerate(seqs):
