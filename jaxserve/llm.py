@@ -191,12 +191,34 @@ def _preparer(engine, prompts: list):
     if with_images < 2 or getattr(engine, "mm_processor", None) is None:
         yield lambda i: engine.prepare_prompt(prompts[i])
         return
+    _load_shared_images(prompts)
     pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1, with_images), "jaxserve-prep")
     try:
         futures = [pool.submit(engine.prepare_prompt, p) for p in prompts]
         yield lambda i: futures[i].result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _load_shared_images(prompts: list) -> None:
+    """Decodes here, once, every PIL image that more than one prompt holds: a lazily opened image
+    (``Image.open``) reads its file on first use, which two preprocessing threads must not do at once.
+    A decoding error is left for that prompt's own preprocessing to report."""
+    seen, shared = set(), {}
+    for p in prompts:
+        data = p.get("multi_modal_data") if isinstance(p, dict) else None
+        images = data.get("image") if isinstance(data, dict) else None
+        for im in images if isinstance(images, (list, tuple)) else [images]:
+            if not hasattr(im, "load"):
+                continue
+            if id(im) in seen:
+                shared[id(im)] = im
+            seen.add(id(im))
+    for im in shared.values():
+        try:
+            im.load()
+        except Exception:  # noqa: BLE001 - the prompt reports it, in order
+            pass
 
 
 def _as_list(prompts) -> list:

@@ -1,6 +1,7 @@
 """Qwen2-VL's host-side batching: a step's uncached images go through the tower together (one call per patch
 bucket), giving HF's greedy tokens and the one-image-per-call path's, with a chunk boundary inside an image;
-and LLM.generate's threaded image preprocessing keeps prompt order and the first bad prompt's error."""
+and LLM.generate's threaded image preprocessing keeps prompt order and the first bad prompt's error, and decodes
+a lazily opened image shared by several prompts once (two threads reading its file at once would fail)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,22 @@ def test_a_bad_image_fails_its_prompt_before_anything_is_queued(llm):
     with pytest.raises(ValueError, match=r"^prompt 3: image 0: an array image must be"):
         llm.generate(prompts, _params(), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_one_opened_file_in_many_prompts_preprocesses_as_one_thread_does(llm, tmp_path):
+    """The same lazily opened image in several prompts: decoded once before the threads start, each prompt's
+    pixel rows are the single-threaded ones."""
+    from PIL import Image
+
+    from jaxserve.llm import _preparer
+
+    image(448, 448, 21).save(tmp_path / "a.png")  # large enough that two threads decoding it would collide
+    opened = Image.open(tmp_path / "a.png")  # not decoded yet
+    prompts = [{"prompt": f"w{k} {PH}", "multi_modal_data": {"image": opened}} for k in range(6)]
+    engine = llm.llm_engine
+    with _preparer(engine, prompts) as prepare:
+        got = [prepare(i) for i in range(len(prompts))]
+    want = engine.prepare_prompt({"prompt": f"w0 {PH}", "multi_modal_data": {"image": Image.open(tmp_path / "a.png")}})
+    for _, ids, mm in got:
+        assert ids.count(IMG) == want[1].count(IMG) == 256 and mm.images[0].hash == want[2].images[0].hash
+        np.testing.assert_array_equal(mm.images[0].pixel_values, want[2].images[0].pixel_values)
