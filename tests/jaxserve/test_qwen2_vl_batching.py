@@ -35,7 +35,8 @@ def _params():
 def _prompts():
     return [
         {"prompt": f"the cat sat on the mat {PH} is on", "multi_modal_data": {"image": image(112, 112, 11)}},
-        {"prompt": f"a {PH} and then {PH} end", "multi_modal_data": {"image": [image(56, 56, 12), image(112, 168, 13)]}},
+        {"prompt": f"a {PH} and then {PH} end",
+         "multi_modal_data": {"image": [image(56, 56, 12), image(112, 168, 13)]}},  # fmt: skip
         {"prompt": f"{PH} first", "multi_modal_data": {"image": image(84, 112, 14)}},
         "hello the world of the",
         {"prompt": f"other words {PH} same picture", "multi_modal_data": {"image": image(112, 112, 11)}},

@@ -19,8 +19,12 @@ def _runner(num_rows: int) -> VisionRunner:
     v.num_rows, v.entries, v.free_rows = num_rows, collections.OrderedDict(), list(range(num_rows - 1, -1, -1))
     v._pinned, v._misses, v.num_encoded, v.num_cache_hits = set(), [], 0, 0
     v.encoded, v.calls = [], []
-    # No device: record each vision call's (patch bucket, images).
-    v._encode_batch = lambda bucket, items: (v.encoded.extend(i.hash for i, _ in items), v.calls.append((bucket, len(items))))
+
+    def encode_batch(bucket, items):  # no device: record each vision call's (patch bucket, images)
+        v.encoded.extend(img.hash for img, _ in items)
+        v.calls.append((bucket, len(items)))
+
+    v._encode_batch = encode_batch
     return v
 
 
