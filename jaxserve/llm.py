@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
+import os
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -66,20 +69,18 @@ class LLM:
         params = [final_only.setdefault(id(sp), sp.clone(output_kind="final_only")) for sp in params]
         engine = self.llm_engine
         tokenized = []  # each prompt tokenized once, here; the engine takes the ids (and keeps the text)
-        for i, (p, sp) in enumerate(zip(prompts, params)):  # validate everything before queueing anything
-            try:
-                if hasattr(engine, "prepare_prompt"):
-                    text, prompt_ids, mm = engine.prepare_prompt(p)
-                else:  # a data-parallel router: text models only
-                    (text, prompt_ids), mm = engine.tokenize_prompt(p), None
-                if mm is None and getattr(engine, "mm_processor", None) is not None:
-                    engine.mm_processor.process(prompt_ids, [])  # placeholders without images: an error
-                engine.validate_prompt(prompt_ids, sp)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
-            if mm is not None:
-                tokenized[-1]["mm_inputs"] = mm
+        with _preparer(engine, prompts) as prepare:
+            for i, (p, sp) in enumerate(zip(prompts, params)):  # validate everything before queueing anything
+                try:
+                    text, prompt_ids, mm = prepare(i)
+                    if mm is None and getattr(engine, "mm_processor", None) is not None:
+                        engine.mm_processor.process(prompt_ids, [])  # placeholders without images: an error
+                    engine.validate_prompt(prompt_ids, sp)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+                tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
+                if mm is not None:
+                    tokenized[-1]["mm_inputs"] = mm
         loras = _one_per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora_request", "one LoRARequest")
         for lora in {id(r): r for r in loras if r is not None}.values():
             engine.add_lora(lora)  # a bad adapter fails before anything is queued
@@ -172,6 +173,52 @@ class LLM:
             if pending:
                 engine.abort_request(list(pending))
         return [finals[i] for i in ids]
+
+
+@contextlib.contextmanager
+def _preparer(engine, prompts: list):
+    """Yields ``prepare(i)`` -> (text, ids, MultiModalInputs or None) of prompt i.
+
+    With two or more image prompts, every prompt is prepared at once on a thread pool: the image processor's
+    PIL resize and numpy work release the GIL (128 images of 448x448: 1.46 s in one thread, 0.73 s in 8 on a
+    16-core host). ``prepare(i)`` still raises prompt i's own error when asked for i, so the caller reports the
+    lowest failing index, as one loop would; leaving the block cancels what has not started. Text prompts
+    keep the plain loop: their tokenization is too quick to pay for threads."""
+    if not hasattr(engine, "prepare_prompt"):  # a data-parallel router: text models only
+        yield lambda i: (*engine.tokenize_prompt(prompts[i]), None)
+        return
+    with_images = sum(1 for p in prompts if isinstance(p, dict) and p.get("multi_modal_data"))
+    if with_images < 2 or getattr(engine, "mm_processor", None) is None:
+        yield lambda i: engine.prepare_prompt(prompts[i])
+        return
+    _load_shared_images(prompts)
+    pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1, with_images), "jaxserve-prep")
+    try:
+        futures = [pool.submit(engine.prepare_prompt, p) for p in prompts]
+        yield lambda i: futures[i].result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _load_shared_images(prompts: list) -> None:
+    """Decodes here, once, every PIL image that more than one prompt holds: a lazily opened image
+    (``Image.open``) reads its file on first use, which two preprocessing threads must not do at once.
+    A decoding error is left for that prompt's own preprocessing to report."""
+    seen, shared = set(), {}
+    for p in prompts:
+        data = p.get("multi_modal_data") if isinstance(p, dict) else None
+        images = data.get("image") if isinstance(data, dict) else None
+        for im in images if isinstance(images, (list, tuple)) else [images]:
+            if not hasattr(im, "load"):
+                continue
+            if id(im) in seen:
+                shared[id(im)] = im
+            seen.add(id(im))
+    for im in shared.values():
+        try:
+            im.load()
+        except Exception:  # noqa: BLE001 - the prompt reports it, in order
+            pass
 
 
 def _as_list(prompts) -> list:

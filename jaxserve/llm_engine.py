@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -63,6 +64,9 @@ class LLMEngine:
         self.scheduler_config = c.scheduler_config
         self.text_config = c.text_config
         self.tokenizer = c.tokenizer
+        # prepare_prompt may run on LLM.generate's preprocessing threads; a fast tokenizer may change its
+        # truncation state inside encode, which fails ("Already borrowed") when two threads do it at once.
+        self._tokenizer_lock = threading.Lock()
         self.runner = c.runner
         self.scheduler = c.scheduler
         self.eos_token_ids = c.eos_token_ids
@@ -113,7 +117,8 @@ class LLMEngine:
                 raise ValueError("prompt is empty: give some text or prompt_token_ids")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, but skip_tokenizer_init=True; pass prompt_token_ids")
-            return prompt, self.tokenizer.encode(prompt)
+            with self._tokenizer_lock:
+                return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
@@ -121,7 +126,8 @@ class LLMEngine:
     def prepare_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], Any]:
         """(text, token ids, MultiModalInputs or None). A dict may carry ``multi_modal_data``
         ({"image": PIL image or list}): its placeholders are expanded and the images preprocessed; or
-        ``mm_inputs``, the result of an earlier call (ids already expanded)."""
+        ``mm_inputs``, the result of an earlier call (ids already expanded). Thread-safe: LLM.generate
+        runs it on a pool."""
         if not isinstance(prompt, dict):
             return (*self.tokenize_prompt(prompt), None)
         if "mm_inputs" in prompt:

@@ -1,8 +1,8 @@
 """Qwen2-VL: the vision tower, and the Qwen2 decoder with M-RoPE whose image placeholder tokens take the
 tower's embeddings.
 
-Two device calls, as the engine will run them: ``encode_images`` once per image (its own jitted step,
-bucketed by patch rows), then the ordinary decoder step, which takes the image embeddings of this step's
+Two device calls, as the engine will run them: ``encode_images`` for a step's new images (jitted, [B, N]
+image slots bucketed by patch rows), then the ordinary decoder step, which takes the image embeddings of this step's
 tokens through ``embed_index`` (row of ``image_embeds`` per token, -1 for text). Indexing per token, not
 "the next placeholder", lets a prefill chunk begin or end inside an image.
 

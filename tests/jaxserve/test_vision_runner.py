@@ -17,9 +17,14 @@ from jaxserve.vision_runner import VisionRunner, patch_bucket, pool_rows
 def _runner(num_rows: int) -> VisionRunner:
     v = object.__new__(VisionRunner)
     v.num_rows, v.entries, v.free_rows = num_rows, collections.OrderedDict(), list(range(num_rows - 1, -1, -1))
-    v._pinned, v.num_encoded, v.num_cache_hits = set(), 0, 0
-    v.encoded = []
-    v._encode_image = lambda img, rows: v.encoded.append(img.hash)  # no device: record the miss
+    v._pinned, v._misses, v.num_encoded, v.num_cache_hits = set(), [], 0, 0
+    v.encoded, v.calls = [], []
+
+    def encode_batch(bucket, items):  # no device: record each vision call's (patch bucket, images)
+        v.encoded.extend(img.hash for img, _ in items)
+        v.calls.append((bucket, len(items)))
+
+    v._encode_batch = encode_batch
     return v
 
 
@@ -55,6 +60,22 @@ def test_fields_across_a_chunk_boundary_and_past_the_prompt():
     assert f3[:, 0].tolist() == [5, 5, 5, -1]
 
 
+def test_mixed_step_rows_equal_each_requests_own():
+    """Decodes of vision-language requests (p + delta, vectorized), text requests (p), a prompt chunk and
+    padding tokens in one step: each token's rows are its request's ``rope_rows`` (text: p)."""
+    rope = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
+    mms = [MultiModalInputs((_img(f"{k}", 2, 4),), rope + k, mrope_delta=k - 5) for k in range(3)]
+    seqs = [_Seq("d0", [0], 9, mms[0]), _Seq("t", [0, 0], 3, None), _Seq("d2", [0, 0, 0], 8, mms[2]),
+            _Seq("p1", [0] * 5, 0, mms[1]), _Seq("d1", [0], 12, mms[1])]  # fmt: skip
+    qsl = np.cumsum([0] + [len(q.token_ids) for q in seqs] + [0, 0]).astype(np.int32)  # two padding sequences
+    pos = np.concatenate([q.start_pos + np.arange(len(q.token_ids)) for q in seqs] + [[0, 0]]).astype(np.int32)
+    fields = _runner(16).step_fields(seqs, pos, qsl)
+    want = np.concatenate([q.mm.rope_rows(pos[a:b]) if q.mm else np.stack([pos[a:b]] * 3)
+                           for q, a, b in zip(seqs, qsl, qsl[1:])] + [np.zeros((3, 2), np.int32)], axis=1)  # fmt: skip
+    assert fields[:3].tolist() == want.tolist()
+    assert (fields[3, 8:11] >= 0).all() and (np.delete(fields[3], [8, 9, 10]) == -1).all()  # p1's image: its 2-4
+
+
 def test_eviction_prefers_idle_lru_and_never_the_steps_own():
     v = _runner(8)
     a, b, c = _img("a", 0, 4), _img("b", 0, 4), _img("c", 0, 4)
@@ -71,7 +92,27 @@ def test_eviction_prefers_idle_lru_and_never_the_steps_own():
     v._lookup(c)  # a hit, in the same step as b
     with pytest.raises(RuntimeError, match="encoder cache"):
         v._lookup(_img("d", 0, 4))  # c and b are both read by this step
-    assert v.num_cache_hits == 1 and v.encoded == [a.hash, b.hash, c.hash, b.hash]
+    assert v.num_cache_hits == 1 and [i.hash for i, _ in v._misses] == [a.hash, b.hash, c.hash, b.hash]
+
+
+def test_a_steps_misses_are_encoded_together_by_bucket():
+    """Misses go in one call per patch bucket (the step's reads of them are hits); a step whose images do
+    not fit the pool raises and leaves no entry whose rows were never written."""
+    v = _runner(64)
+    rope = np.zeros((3, 40), np.int32)
+    small = [_img(n, 4 * k, 4) for k, n in enumerate("abc")]  # 16 patch rows each: the 64-row bucket
+    big = _img("d", 12, 20)  # 80 patch rows: the 128-row bucket
+    seqs = [_Seq("r1", [0] * 40, 0, MultiModalInputs((small[0], small[1], big), rope, 0)),
+            _Seq("r2", [0] * 40, 0, MultiModalInputs((small[2], _img("a", 0, 4)), rope, 0))]  # fmt: skip
+    v.step_fields(seqs, np.zeros(80, np.int32), np.array([0, 40, 80]))
+    assert sorted(v.calls) == [(64, 3), (128, 1)] and v.num_cache_hits == 1  # "a" twice: one miss, one hit
+    v.calls.clear()
+    huge = [_img(n, 0, 40) for n in "xy"]  # 80 rows for 64: more than the pool
+    seqs = [_Seq(f"s{k}", [0] * 40, 0, MultiModalInputs((img,), rope, 0)) for k, img in enumerate(huge)]
+    with pytest.raises(RuntimeError, match="encoder cache"):
+        v.step_fields(seqs, np.zeros(80, np.int32), np.array([0, 40, 80]))
+    assert not v.calls and huge[0].hash not in v.entries and len(v.free_rows) + sum(
+        len(e.rows) for e in v.entries.values()) == 64  # fmt: skip
 
 
 def test_small_helpers():
