@@ -82,8 +82,11 @@ def _decode_splits(num_seqs: int, num_kv_heads: int, tiles_per_seq: int) -> int:
     return max(1, min(splits, tiles_per_seq))
 
 
+FP8_DECODE_COMPUTE = ("query", "float16")  # GpuKernelConfig.fp8_decode_compute's values
+
+
 def _fp8_decode_compute(cfg: GpuKernelConfig, q_dtype, kv_dtype):
-    if cfg.fp8_decode_compute not in ("query", "float16"):
+    if cfg.fp8_decode_compute not in FP8_DECODE_COMPUTE:
         raise ValueError(f"fp8_decode_compute={cfg.fp8_decode_compute!r}: use 'query' or 'float16'")
     if cfg.fp8_decode_compute == "float16" and fp8.is_fp8(kv_dtype) and q_dtype == jnp.bfloat16:
         return jnp.float16

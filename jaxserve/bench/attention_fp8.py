@@ -1,6 +1,7 @@
 """Decode attention over an fp8 KV cache against a bf16 one (issue 15): same batch, same kernels.
 
     python -m jaxserve.bench.attention_fp8 [--cases 64x4096,256x2048] [--formats fp8_e4m3,fp8_e5m2] [--quick]
+        [--fp8-decode-compute float16,float16_bits,fp8_dot] [--variant NAME=key=val,key=val ...] [--out rows.json]
 
 Each case is B sequences decoding one token over a context of C tokens (Llama-3-8B attention shapes).
 The timed call is the pallas backend's attention without the KV write (``ragged_attention_gpu``) plus
@@ -8,12 +9,19 @@ the fp8 path's scale folding, as the engine's step runs it. Reported: microsecon
 per second (each sequence's K and V once, in the cache's own dtype), the speedup over bf16 (the goal:
 >= 1.7x, half the bytes) and the error against the float32 reference over the same (dequantized) cache.
 ``--quick`` shrinks the shapes and interprets the kernels: a CPU smoke test.
+
+Kernel variants: each ``--fp8-decode-compute`` value runs over each fp8 format (``GpuKernelConfig``'s option
+of that name; the bf16 cache row uses the defaults). Each ``--variant NAME=key=val,...`` overrides other
+``GpuKernelConfig`` fields (ints and true/false parsed) and runs over every format, bf16 included, crossed
+with the fp8_decode_compute values for the fp8 ones. Speedups are against the default bf16 row of the case.
+A table prints as rows finish; a JSON list of all rows prints at the end (and goes to ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 
@@ -23,20 +31,44 @@ import numpy as np
 
 from jaxserve.bench.attention import D, H, K, P, rel_err, time_fn
 from jaxserve.pallas_kernels import fp8
-from jaxserve.pallas_kernels.paged_attention_pallas import ragged_attention_gpu
+from jaxserve.pallas_kernels.paged_attention_pallas import FP8_DECODE_COMPUTE, GpuKernelConfig, ragged_attention_gpu
 from jaxserve.pallas_kernels.random_batch import make_batch
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
 
 
-def _attention(q, k, v, md, *, k_scale, v_scale, interpret):
+def _attention(q, k, v, md, *, k_scale, v_scale, interpret, config=None):
     """The pallas backend's read path over any cache (fp8: scales folded into q and the output)."""
     if fp8.is_fp8(k.dtype):
         q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
-    out = ragged_attention_gpu(q, k, v, md, scale=D**-0.5, interpret=interpret)
+    out = ragged_attention_gpu(q, k, v, md, scale=D**-0.5, interpret=interpret, config=config)
     return (out.astype(jnp.float32) * v_scale).astype(out.dtype) if fp8.is_fp8(k.dtype) else out
 
 
-def run_case(num_seqs: int, ctx: int, formats: list[str], quick: bool) -> list[dict]:
+def _parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME=key=val,key=val`` -> (NAME, {key: val}) with GpuKernelConfig field names checked."""
+    name, _, body = text.partition("=")
+    fields = {f.name for f in dataclasses.fields(GpuKernelConfig)}
+    over = {}
+    for item in filter(None, body.split(",")):
+        key, sep, val = item.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not key=val with key a GpuKernelConfig field {sorted(fields)}")
+        over[key] = int(val) if val.lstrip("-").isdigit() else {"true": True, "false": False}.get(val.lower(), val)
+    return name, over
+
+
+def _configs(name: str, computes: list[str], variants: list[tuple[str, dict]]):
+    """(label, fp8_decode_compute or "-", GpuKernelConfig) for one cache format: defaults first."""
+    fmt_computes = computes if name != "auto" else [None]
+    for vname, over in [("default", {})] + variants:
+        for comp in fmt_computes:
+            kw = dict(over, **({"fp8_decode_compute": comp} if comp else {}))
+            yield vname, comp or "-", GpuKernelConfig(**kw)
+
+
+def run_case(
+    num_seqs: int, ctx: int, formats: list[str], quick: bool, computes=("float16",), variants=(), print_row=None
+) -> list[dict]:
     rng = np.random.default_rng(0)
     batch = make_batch(
         rng, q_lens=[1] * num_seqs, ctx_lens=[ctx] * num_seqs, num_heads=H, num_kv_heads=K, head_dim=D, block_size=P,
@@ -47,35 +79,77 @@ def run_case(num_seqs: int, ctx: int, formats: list[str], quick: bool) -> list[d
     for name in ["auto"] + formats:
         dtype = fp8.kv_cache_dtype_for(name, jnp.bfloat16)
         k, v = fp8.quantize(batch.k_pages, 1.0, dtype), fp8.quantize(batch.v_pages, 1.0, dtype)
-        fn = jax.jit(lambda q, k, v, md: _attention(q, k, v, md, k_scale=1.0, v_scale=1.0, interpret=quick))
         with jax.default_matmul_precision("highest"):
             ref = ragged_paged_attention_reference(batch.q, k, v, batch.md, scale=D**-0.5)
-        err = rel_err(fn(batch.q, k, v, batch.md), ref)
-        sec = time_fn(fn, batch.q, k, v, batch.md, reps=50, rounds=7)
-        kv_bytes = 2 * num_seqs * ctx * K * D * dtype.itemsize
-        rows.append({"case": f"B={num_seqs} ctx={ctx}", "kv_cache_dtype": name, "us": sec * 1e6,
-                     "kv_tbps": kv_bytes / sec / 1e12, "rel_err": err})  # fmt: skip
+        for vname, comp, cfg in _configs(name, list(computes), list(variants)):
+            fn = jax.jit(
+                lambda q, k, v, md, cfg=cfg: _attention(
+                    q, k, v, md, k_scale=1.0, v_scale=1.0, interpret=quick, config=cfg
+                )
+            )  # fmt: skip
+            row = {"case": f"B={num_seqs} ctx={ctx}", "kv_cache_dtype": name, "variant": vname, "fp8_decode_compute": comp}
+            try:  # a variant Triton cannot compile is a row with its error, not the end of the run
+                row["rel_err"] = float(rel_err(fn(batch.q, k, v, batch.md), ref))
+                sec = time_fn(fn, batch.q, k, v, batch.md, reps=50, rounds=7)
+            except Exception as e:  # noqa: BLE001
+                row.update(us=None, kv_tbps=None, speedup_vs_bf16=None, error=f"{type(e).__name__}: {e}"[:400])
+            else:
+                kv_bytes = 2 * num_seqs * ctx * K * D * dtype.itemsize
+                row.update(us=sec * 1e6, kv_tbps=kv_bytes / sec / 1e12)
+                row["speedup_vs_bf16"] = rows[0]["us"] / row["us"] if rows and rows[0].get("us") else 1.0
+            rows.append(row)
+            if print_row:
+                print_row(row)
         del k, v
-    for r in rows:
-        r["speedup_vs_bf16"] = rows[0]["us"] / r["us"]
     return rows
+
+
+def _print_row(r: dict) -> None:
+    head = f"| {r['case']} | {r['kv_cache_dtype']} | {r['variant']} | {r['fp8_decode_compute']} |"
+    if r.get("us") is None:
+        print(f"{head} FAILED | | | {r['error'][:160]} |", flush=True)
+        return
+    print(f"{head} {r['us']:.1f} | {r['kv_tbps']:.2f} | {r['speedup_vs_bf16']:.2f}x | {r['rel_err']:.1e} |", flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="64x4096,256x2048", help="comma-separated BxCTX decode cases")
     ap.add_argument("--formats", default="fp8_e4m3,fp8_e5m2")
+    ap.add_argument(
+        "--fp8-decode-compute", default="float16",
+        help=f"comma-separated GpuKernelConfig.fp8_decode_compute values to time over each fp8 format, of {sorted(FP8_DECODE_COMPUTE)}",
+    )  # fmt: skip
+    ap.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=key=val,...",
+        help="GpuKernelConfig overrides timed over every format as well (repeatable), e.g. tail=decode_mask_tail_only=true",
+    )  # fmt: skip
+    ap.add_argument("--out", help="write the rows as JSON here too")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke test)")
     args = ap.parse_args(argv)
+    computes = args.fp8_decode_compute.split(",")
+    for c in computes:
+        if c not in FP8_DECODE_COMPUTE:
+            raise SystemExit(f"--fp8-decode-compute {c!r}: use values of {sorted(FP8_DECODE_COMPUTE)}")
+    variants = [_parse_variant(v) for v in args.variant]
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")] if not args.quick else [(2, 48)]
     dev = jax.devices()[0]
     print(f"{getattr(dev, 'device_kind', dev)}  jax {jax.__version__}  {time.strftime('%Y-%m-%d')}")
-    print("| case | kv_cache_dtype | time (us) | cache TB/s | speedup vs bf16 | rel err |\n|---|---|---|---|---|---|")
+    print("| case | kv_cache_dtype | variant | fp8_decode_compute | time (us) | cache TB/s | speedup vs bf16 | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+
+    def emit(row):  # --out is rewritten after every row: a run cut short by a time limit keeps its rows
+        _print_row(row)
+        rows.append(row)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+
     for b, c in cases:
-        for r in run_case(b, c, args.formats.split(","), args.quick):
-            print(f"| {r['case']} | {r['kv_cache_dtype']} | {r['us']:.1f} | {r['kv_tbps']:.2f} | "
-                  f"{r['speedup_vs_bf16']:.2f}x | {r['rel_err']:.1e} |", flush=True)  # fmt: skip
-    return 0
+        run_case(b, c, args.formats.split(","), args.quick, computes, variants, print_row=emit)
+    print("JSON " + json.dumps(rows))
+    return 1 if any(r.get("us") is None for r in rows) else 0
 
 
 if __name__ == "__main__":
