@@ -1,6 +1,7 @@
 """A vision-language prompt on the host: images -> pixel rows, placeholders expanded, M-RoPE rows.
 
-Once per request, when it is added (no JAX here). The prompt marks each image with one
+Once per request, when it is added (no JAX here); the pixel rows are computed on background threads
+(``MultiModalProcessor._background_pixels``) and waited for only when the vision step encodes the image. The prompt marks each image with one
 ``<|image_pad|>`` token (Qwen2-VL's chat template writes ``<|vision_start|><|image_pad|><|vision_end|>``);
 it is expanded to one token per merged patch window of that image (``t * h * w / merge**2``), so the
 prompt's length is what the decoder computes. A prompt whose placeholders are already expanded (token ids
@@ -12,6 +13,7 @@ embeddings once while requests need them) and the prefix cache (jaxserve.block_h
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -26,10 +28,20 @@ class ImageItem:
     """One image of a prompt, preprocessed."""
 
     hash: bytes  # 32 bytes: SHA-256 of the decoded image (mode, size, pixels)
-    pixel_values: np.ndarray  # [N, C*Tp*P*P] float32: N patch rows, in the processor's merge-window order
+    pixels: Any  # the pixel rows below, or a Future of them (computed in the background)
     grid_thw: tuple[int, int, int]  # (t, h, w) in patches
     offset: int  # index of the image's first placeholder token in the prompt
     num_tokens: int  # placeholder tokens: N // merge**2
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        """[N, C*Tp*P*P] float32: N patch rows, in the processor's merge-window order (waits for them)."""
+        return self.pixels.result() if isinstance(self.pixels, concurrent.futures.Future) else self.pixels
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,6 +85,7 @@ class MultiModalProcessor:
             with open(path) as f:
                 preprocessor = json.load(f)
         self.image_processor = Qwen2VLImageProcessor(preprocessor, **(mm_processor_kwargs or {}))
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # background preprocessing
         self.config = vl_config
         self.image_token_id = vl_config.image_token_id
         self.merge = vl_config.vision.spatial_merge_size
@@ -99,7 +112,12 @@ class MultiModalProcessor:
                 f"send at most {self.max_images} or raise --limit-mm-per-prompt image=N"
             )
         images = [_as_rgb(im, i) for i, im in enumerate(images)]
-        pixels, grids = self.image_processor(images)  # [N_all, C*Tp*P*P], [I, 3]
+        pixels = self._background_pixels(images)
+        if pixels is None:  # the processor's grids are not known without running it: run it now
+            flat, grids = self.image_processor(images)  # [N_all, C*Tp*P*P], [I, 3]
+            pixels = np.split(flat, np.cumsum(np.prod(grids, axis=1))[:-1])
+        else:
+            grids = np.asarray([self.image_processor.grid_thw(im) for im in images], np.int64)
         sizes = self.image_processor.num_image_tokens(grids)
         ids = self._expand(ids, count, sizes)
         from jaxserve.models.qwen2_vl_positions import mrope_positions
@@ -107,13 +125,28 @@ class MultiModalProcessor:
         rope, delta = mrope_positions(
             np.asarray(ids), grids, image_token_id=self.image_token_id, spatial_merge_size=self.merge
         )
-        items, row, start = [], 0, 0
-        for image, (t, h, w), size in zip(images, grids.tolist(), sizes):
+        items, start = [], 0
+        for image, grid, pix, size in zip(images, grids.tolist(), pixels, sizes):
             offset = ids.index(self.image_token_id, start)
-            items.append(ImageItem(image_hash(image), pixels[row : row + t * h * w], (t, h, w), offset, size))
-            row += t * h * w
+            items.append(ImageItem(image_hash(image), pix, tuple(grid), offset, size))
             start = offset + size
         return ids, MultiModalInputs(tuple(items), rope, delta)
+
+    def _background_pixels(self, images: list) -> Optional[list]:
+        """Futures of each image's pixel rows, computed on this processor's threads while the engine runs: the
+        placeholders are counted from the image sizes alone (``grid_thw``), and the vision step waits for the
+        rows only when it encodes the image. Preprocessing is ~10 ms of host time an image (resize, normalise,
+        patchify), which would otherwise all come before the first step. None when the grids cannot be known
+        early (then the caller preprocesses now)."""
+        proc = self.image_processor
+        if not proc.grids_known_early:
+            return None
+        grids = [proc.grid_thw(im) for im in images]  # raises here, on the caller's thread, for a bad size
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="jaxserve-image"
+            )
+        return [self._pool.submit(_pixels_of, proc, im, grid) for im, grid in zip(images, grids)]
 
     def _expand(self, ids: list[int], count: int, sizes: list[int]) -> list[int]:
         """One placeholder per image -> ``sizes[i]`` of them; already-expanded runs are kept."""
@@ -151,6 +184,14 @@ def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
+def _pixels_of(processor, image, grid: tuple[int, int, int]) -> np.ndarray:
+    """One image's pixel rows, checked against the grid its placeholders were counted from."""
+    pixels, grids = processor([image])
+    if tuple(int(x) for x in grids[0]) != tuple(grid):
+        raise RuntimeError(f"the image processor gave grid {grids[0].tolist()} where {list(grid)} was expected")
+    return pixels
+
+
 def _as_rgb(image: Any, index: int):
     """A PIL image in RGB (the processor's input); arrays [H, W, 3] uint8 become images."""
     from PIL import Image
@@ -165,6 +206,7 @@ def _as_rgb(image: Any, index: int):
         )
     if image.width < 1 or image.height < 1:
         raise ValueError(f"image {index} is empty ({image.width}x{image.height} pixels)")
+    image.load()  # decoded here, once: the pixels are computed on another thread, the hash on this one
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

@@ -195,7 +195,7 @@ class VisionRunner:
         """Encodes the step's misses: grouped by patch bucket, up to _MAX_BATCH_ROWS patch rows a call."""
         groups: dict[int, list] = collections.defaultdict(list)
         for img, rows in self._misses:
-            groups[patch_bucket(img.pixel_values.shape[0])].append((img, rows))
+            groups[patch_bucket(img.num_patches)].append((img, rows))
         self._misses = []
         for bucket, items in sorted(groups.items()):
             most = max(1, _MAX_BATCH_ROWS // bucket)
@@ -211,7 +211,7 @@ class VisionRunner:
         ids = np.full((b, bucket), -1, np.int32)  # -1: padding rows and empty slots
         dest = np.full((b, bucket // self.merge**2), self.num_rows, np.int32)  # out of range: dropped
         for k, (img, rows) in enumerate(items):
-            n = img.pixel_values.shape[0]
+            n = img.num_patches
             positions, image_ids = vision_inputs(np.asarray([img.grid_thw]), self.merge)
             pixels[k, :n] = img.pixel_values
             pos[k, :n] = positions

@@ -10,7 +10,8 @@ order). Needs Pillow. Host-side, once per image when a request is added; nothing
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import sys
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -31,6 +32,8 @@ class Qwen2VLImageProcessor:
         kw.update({k: v for k, v in overrides.items() if v is not None})  # e.g. min_pixels=, max_pixels=
         self._hf = _HFImageProcessor(**kw)
         self.merge_size = int(self._hf.merge_size)
+        self._smart_resize = getattr(sys.modules[type(self._hf).__module__], "smart_resize", None)
+        self.grids_known_early = self._check_grid_thw()
 
     def __call__(self, images: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         """PIL images (or HWC uint8 arrays) -> (pixel_values [N, C*Tp*P*P] float32, image_grid_thw [I, 3] int64)."""
@@ -38,6 +41,38 @@ class Qwen2VLImageProcessor:
             raise ValueError("no images to preprocess")
         out = self._hf(images=list(images), return_tensors="np")
         return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64)
+
+    def grid_thw(self, image) -> Optional[tuple[int, int, int]]:
+        """(t, h, w) in patches that the processor will give one RGB PIL image, from its size alone (the same
+        ``smart_resize``), so the placeholders can be counted before the pixels are computed; None where the
+        processor's settings are not the ones this knows (no resize, an unknown version)."""
+        hf = self._hf
+        if self._smart_resize is None or not getattr(hf, "do_resize", True):
+            return None
+        size = getattr(hf, "size", None) or {}
+        get = size.get if isinstance(size, dict) else (lambda k: getattr(size, k, None))
+        min_pixels = getattr(hf, "min_pixels", None) or get("shortest_edge")
+        max_pixels = getattr(hf, "max_pixels", None) or get("longest_edge")
+        if not (min_pixels and max_pixels):
+            return None
+        patch = int(hf.patch_size)
+        h, w = self._smart_resize(
+            image.height, image.width, factor=patch * self.merge_size, min_pixels=min_pixels, max_pixels=max_pixels
+        )  # fmt: skip
+        return 1, h // patch, w // patch
+
+    def _check_grid_thw(self) -> bool:
+        """Whether ``grid_thw`` agrees with the processor itself on a few sizes (checked once, ~20 ms)."""
+        from PIL import Image
+
+        try:
+            for w, h in ((448, 448), (37, 53), (1000, 301)):
+                image = Image.new("RGB", (w, h))
+                if self.grid_thw(image) != tuple(int(x) for x in self(([image]))[1][0]):
+                    return False
+        except Exception:  # noqa: BLE001 - any surprise: compute the pixels up front, as the processor is called
+            return False
+        return True
 
     def num_image_tokens(self, image_grid_thw: np.ndarray) -> list[int]:
         """Placeholder tokens per image: one per merge window of its patch grid."""
