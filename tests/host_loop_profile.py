@@ -1,0 +1,106 @@
+"""Host cost of the engine loop per step, on CPU with a tiny random Llama (not a test: a measuring script).
+
+    JAX_PLATFORMS=cpu python tests/host_loop_profile.py --seqs 256 [--profile] [--cumulative]
+
+Runs ``--seqs`` prompts of 16 tokens to 128 greedy new tokens (ignore_eos) through LLM.generate (or, with
+``--cumulative``, through engine.step with streaming outputs, as the server does) and prints the loop's host
+time per step: ``(total_s - wait_s) / steps`` from LLMEngine.loop_time, and that minus the jitted calls'
+own dispatch (ModelRunner._run). With ``--profile``, also each host-side function's cumulative ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+# Python puts this script's folder first on the path, where tests/jaxserve would shadow the installed package:
+# import the package first, then the fixtures from this folder.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+from jaxserve import LLM, SamplingParams  # noqa: E402
+
+sys.path.append(_here)
+from engine_fixtures import checkpoint  # noqa: E402
+
+# (label, function name as pstats prints it, file suffix): the loop's host-side pieces.
+FUNCS = [
+    ("schedule", "schedule", "scheduler.py"),
+    ("update_from_output", "update_from_output", "scheduler.py"),
+    ("output_processor.process", "process", "output_processor.py"),
+    ("build_step_inputs", "build_step_inputs", "batch_builder.py"),
+    ("SamplingMetadata.from_seqs", "from_seqs", "sampling_metadata.py"),
+    ("runner.dispatch", "dispatch", "model_runner.py"),
+    ("runner._run (jit call)", "_run", "model_runner.py"),
+    ("runner.fetch", "fetch", "model_runner.py"),
+    ("engine._finish", "_finish", "llm_engine.py"),
+    ("engine.step", "step", "llm_engine.py"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cumulative", action="store_true", help="stream every step's outputs (the server's kind)")
+    args = ap.parse_args()
+
+    llm = LLM(
+        checkpoint("llama_gqa"), dtype="float32", max_model_len=256, max_num_seqs=args.seqs,
+        max_num_batched_tokens=max(4096, 16 * args.seqs), block_size=16, compilation_cache_dir="",
+        use_tqdm_on_load=False, precompile="none",
+    )  # fmt: skip
+    engine = llm.llm_engine
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 2 for j in range(16)]} for i in range(args.seqs)]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)  # warm: every step shape compiled
+
+    engine.loop_time.update(steps=0, total_s=0.0, wait_s=0.0)
+    run_s = [0.0]  # the jitted calls' own dispatch, timed around ModelRunner._run
+    inner_run = engine.runner._run
+
+    def timed_run(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return inner_run(*a, **kw)
+        finally:
+            run_s[0] += time.perf_counter() - t0
+
+    engine.runner._run = timed_run
+    prof = cProfile.Profile() if args.profile else None
+    start = time.perf_counter()
+    if prof:
+        prof.enable()
+    if args.cumulative:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"c{i}", p, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+    else:
+        llm.generate(prompts, sp, use_tqdm=False)
+    if prof:
+        prof.disable()
+    wall = time.perf_counter() - start
+    lt = engine.loop_time
+    steps = lt["steps"]
+    host_ms = (lt["total_s"] - lt["wait_s"]) / steps * 1e3
+    run_ms = run_s[0] / steps * 1e3
+    print(f"seqs={args.seqs} steps={steps} wall={wall:.2f}s host_ms/step={host_ms:.3f} "
+          f"jit_call_ms/step={run_ms:.3f} host_minus_jit_ms/step={host_ms - run_ms:.3f} "
+          f"wait_ms/step={lt['wait_s'] / steps * 1e3:.3f}")  # fmt: skip
+    if prof:
+        stats = pstats.Stats(prof).stats
+        for label, name, suffix in FUNCS:
+            ct = sum(v[3] for (f, _, fn), v in stats.items() if fn == name and f.endswith(suffix))
+            calls = sum(v[1] for (f, _, fn), v in stats.items() if fn == name and f.endswith(suffix))
+            print(f"  {label:28s} {ct / steps * 1e3:8.3f} ms/step  ({calls} calls)")
+        fin = sum(v[1] for (f, _, fn), v in stats.items() if fn == "is_finished")
+        print(f"  is_finished calls: {fin}")
+
+
+if __name__ == "__main__":
+    main()
