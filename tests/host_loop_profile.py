@@ -17,11 +17,14 @@ import pstats
 import sys
 import time
 
+import numpy as np
+
 # Python puts this script's folder first on the path, where tests/jaxserve would shadow the installed package:
 # import the package first, then the fixtures from this folder.
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.sampler import SamplerOutput  # noqa: E402
 
 sys.path.append(_here)
 from engine_fixtures import checkpoint  # noqa: E402
@@ -46,6 +49,11 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--fake-device", action="store_true",
+        help="skip the jitted step (every row samples token 5): no XLA threads compete with the host, so the "
+        "host's CPU time per step is steady on a loaded machine",
+    )  # fmt: skip
     ap.add_argument("--cumulative", action="store_true", help="stream every step's outputs (the server's kind)")
     args = ap.parse_args()
 
@@ -59,20 +67,27 @@ def main() -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)  # warm: every step shape compiled
 
+    if os.environ.get("HOST_LOOP_GC") == "freeze":
+        import gc
+
+        gc.freeze()
     engine.loop_time.update(steps=0, total_s=0.0, wait_s=0.0)
     run_s = [0.0]  # the jitted calls' own dispatch, timed around ModelRunner._run
     inner_run = engine.runner._run
 
-    def timed_run(*a, **kw):
+    def timed_run(x, sampling_md, *a, **kw):
         t0 = time.perf_counter()
         try:
-            return inner_run(*a, **kw)
+            if args.fake_device:
+                return SamplerOutput(token_ids=np.full(sampling_md.num_rows, 5, np.int32))
+            return inner_run(x, sampling_md, *a, **kw)
         finally:
             run_s[0] += time.perf_counter() - t0
 
     engine.runner._run = timed_run
     prof = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
+    cpu_start = time.thread_time()
     if prof:
         prof.enable()
     if args.cumulative:
@@ -85,19 +100,22 @@ def main() -> None:
     if prof:
         prof.disable()
     wall = time.perf_counter() - start
+    cpu = time.thread_time() - cpu_start
     lt = engine.loop_time
     steps = lt["steps"]
     host_ms = (lt["total_s"] - lt["wait_s"]) / steps * 1e3
     run_ms = run_s[0] / steps * 1e3
     print(f"seqs={args.seqs} steps={steps} wall={wall:.2f}s host_ms/step={host_ms:.3f} "
           f"jit_call_ms/step={run_ms:.3f} host_minus_jit_ms/step={host_ms - run_ms:.3f} "
-          f"wait_ms/step={lt['wait_s'] / steps * 1e3:.3f}")  # fmt: skip
+          f"wait_ms/step={lt['wait_s'] / steps * 1e3:.3f} thread_cpu_ms/step={cpu / steps * 1e3:.3f}")  # fmt: skip
     if prof:
         stats = pstats.Stats(prof).stats
         for label, name, suffix in FUNCS:
             ct = sum(v[3] for (f, _, fn), v in stats.items() if fn == name and f.endswith(suffix))
             calls = sum(v[1] for (f, _, fn), v in stats.items() if fn == name and f.endswith(suffix))
             print(f"  {label:28s} {ct / steps * 1e3:8.3f} ms/step  ({calls} calls)")
+        if os.environ.get("HOST_LOOP_TOP"):  # the top functions by own time
+            pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ["HOST_LOOP_TOP"]))
         fin = sum(v[1] for (f, _, fn), v in stats.items() if fn == "is_finished")
         print(f"  is_finished calls: {fin}")
 
