@@ -115,7 +115,15 @@ class IncrementalDetokenizer:
         """Feed newly generated tokens; returns the text delta to stream (may be "")."""
         if self.stop_string is not None:
             return ""
-        new_text = "".join(self._stream.step(int(t)) for t in new_token_ids)
+        return self._take("".join(self._stream.step(int(t)) for t in new_token_ids))
+
+    def update_one(self, token_id: int) -> str:
+        """``update([token_id])`` without the list and the join: the engine feeds one token at a time."""
+        if self.stop_string is not None:
+            return ""
+        return self._take(self._stream.step(int(token_id)))
+
+    def _take(self, new_text: str) -> str:
         if not self._stops:
             self.output_text += new_text
             return new_text

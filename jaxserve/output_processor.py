@@ -53,7 +53,10 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:  # n == 1, asked of every request every step
+            return samples[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in samples)
 
     @property
     def final_only(self) -> bool:
@@ -99,8 +102,12 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         stopped_by_string: list[str] = []
+        samples = self.samples
+        stride = runner_out.logprobs_stride if runner_out is not None else 1
+        # Without logprobs in the step (the common case) no row has any to add: skip the per-token lookups.
+        with_logprobs = runner_out is not None and runner_out.sampled_logprobs is not None and bool(rows)
         for req in updated:
-            entry = self.samples.get(req.request_id)
+            entry = samples.get(req.request_id)
             if entry is None:
                 continue
             group, state = entry
@@ -108,21 +115,21 @@ class OutputProcessor:
                 group.first_token_time = now
             # One new token a step, or several with speculative decoding: each is processed as if alone.
             new_tokens = req.output_token_ids[state.num_processed :]
-            stride = runner_out.logprobs_stride if runner_out is not None else 1
+            detokenizer = state.detokenizer
             for j, token in enumerate(new_tokens):
                 state.num_processed += 1
-                if runner_out is not None and req.request_id in rows:
+                if with_logprobs and req.request_id in rows:
                     self._add_logprobs(state, token, rows[req.request_id] * stride + j, runner_out)
-                if state.detokenizer is not None:
-                    state.detokenizer.update([token])
+                if detokenizer is not None:
+                    detokenizer.update_one(token)
                     # A stop string before the step's last token wins over a stop the scheduler saw later.
-                    if state.detokenizer.stop_string is not None and (not req.is_finished or j + 1 < len(new_tokens)):
+                    if detokenizer.stop_string is not None and (not req.status.finished or j + 1 < len(new_tokens)):
                         stopped_by_string.append(req.request_id)
                         state.finish_reason = "stop"
                         state.stop_reason = state.detokenizer.stop_string
                         req.truncate_output(state.num_processed)  # what the step emitted past the stop
                         break
-            if req.is_finished and state.finish_reason is None:
+            if req.status.finished and state.finish_reason is None:
                 state.finish_reason = req.status.finish_reason
                 state.stop_reason = req.stop_reason
                 if state.detokenizer is not None:
