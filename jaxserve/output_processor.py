@@ -50,6 +50,12 @@ class RequestGroup:
     arrival_time: float
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    # Only the finished output is wanted (output_kind="final_only", as LLM.generate asks): kept as a field, since
+    # it is asked of every request every step.
+    final_only: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.final_only = self.samples[0].request.sampling_params.output_kind == "final_only"
 
     @property
     def finished(self) -> bool:
@@ -57,10 +63,6 @@ class RequestGroup:
         if len(samples) == 1:  # n == 1, asked of every request every step
             return samples[0].finish_reason is not None
         return all(s.finish_reason is not None for s in samples)
-
-    @property
-    def final_only(self) -> bool:
-        return self.samples[0].request.sampling_params.output_kind == "final_only"
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -134,6 +136,8 @@ class OutputProcessor:
                 state.stop_reason = req.stop_reason
                 if state.detokenizer is not None:
                     state.detokenizer.finish()
+            if state.finish_reason is None and group.final_only and len(group.samples) == 1:
+                continue  # no output until it finishes (n > 1 groups stay listed: they keep their place in the order)
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():

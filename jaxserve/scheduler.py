@@ -312,11 +312,12 @@ class Scheduler:
 
     def _reaches_limit(self, request: Request) -> bool:
         """A pending token will end this request by length: scheduling it again would compute past the end."""
-        if not request.num_pending_tokens:
+        pending = request.num_pending_tokens
+        if not pending:
             return False
-        max_tokens = request.sampling_params.max_tokens
-        return request.num_tokens_with_pending >= self.max_len or (
-            max_tokens is not None and request.num_output_tokens + request.num_pending_tokens >= max_tokens
+        max_tokens = request.sampling_params.max_tokens  # asked of every request every async step: lengths, no properties
+        return len(request.all_token_ids) + pending >= self.max_len or (
+            max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens
         )
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -358,26 +359,29 @@ class Scheduler:
             token_ids.append(-1)  # all_token_ids[start:end] stopped at the known tokens
         if spec:
             token_ids += spec
+        sample = end == known + pending
+        # Positional, in field order (named in the comments): keyword arguments cost three times as much, and this
+        # runs for every sequence every step.
         seq = ScheduledSeq(
-            req_id=request.request_id,
-            token_ids=token_ids,
-            start_pos=start,
-            block_ids=self.kv.get_block_ids(request),
-            sample=end == known + pending,
-            sampling_params=request.sampling_params,
-            seed=request.seed,
-            num_output_tokens=len(request.output_token_ids) + pending,
-            history=request.all_token_ids,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            eos_token_ids=request.eos_token_ids,
-            num_placeholders=num_placeholders,
-            prev_row=request.pending_row if num_placeholders else -1,
-            num_spec_tokens=len(spec),
-            lora_request=request.lora_request,
-            mm=request.mm,
+            request.request_id,  # req_id
+            token_ids,
+            start,  # start_pos
+            self.kv.get_block_ids(request),  # block_ids
+            sample,
+            request.sampling_params,
+            request.seed,
+            len(request.output_token_ids) + pending,  # num_output_tokens
+            all_token_ids,  # history
+            len(request.prompt_token_ids),  # num_prompt_tokens
+            request.eos_token_ids,
+            num_placeholders,
+            request.pending_row if num_placeholders else -1,  # prev_row
+            len(spec),  # num_spec_tokens
+            request.lora_request,
+            request.mm,
         )
         request.num_computed_tokens = end + len(spec)
-        if seq.sample:
+        if sample:
             request.num_pending_tokens += 1
             request.pending_row = row
         return seq
