@@ -105,6 +105,11 @@ class IncrementalDetokenizer:
         self.stop_string: Optional[str] = None
 
     @property
+    def has_stops(self) -> bool:
+        """Whether any stop string is watched for (its text must then be built as tokens arrive)."""
+        return bool(self._stops)
+
+    @property
     def stopped(self) -> bool:
         return self.stop_string is not None
 

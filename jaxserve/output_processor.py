@@ -25,6 +25,10 @@ class SampleState:
     stop_reason: Optional[int | str] = None
     finish_reason: Optional[str] = None
     num_processed: int = 0  # output tokens already detokenized and given logprobs
+    # Detokenize only once the request ends: nobody sees its text before (a final_only request alone in its group)
+    # and nothing in it can end it early (no stop strings) or needs the step's rows (no logprobs). The text is the
+    # same: the same tokens go through the same incremental detokenizer, later.
+    deferred: bool = False
 
     def completion(self) -> CompletionOutput:
         req = self.request
@@ -92,6 +96,12 @@ class OutputProcessor:
         self.groups[group.request_id] = group
         for s in group.samples:
             self.samples[s.request.request_id] = (group, s)
+            s.deferred = (
+                group.final_only
+                and len(group.samples) == 1
+                and s.request.sampling_params.logprobs is None
+                and (s.detokenizer is None or not s.detokenizer.has_stops)
+            )
 
     def child_ids(self, request_id: str) -> list[str]:
         group = self.groups.get(request_id)
@@ -115,6 +125,8 @@ class OutputProcessor:
             group, state = entry
             if group.first_token_time is None and req.output_token_ids:
                 group.first_token_time = now
+            if state.deferred and not req.status.finished:
+                continue  # nothing to do until it finishes (SampleState.deferred)
             # One new token a step, or several with speculative decoding: each is processed as if alone.
             new_tokens = req.output_token_ids[state.num_processed :]
             detokenizer = state.detokenizer
@@ -155,11 +167,22 @@ class OutputProcessor:
         if group is None:
             return None
         for s in group.samples:
+            if s.deferred:  # the text so far, as the output of every step would have had it
+                self._catch_up(s)
             if s.finish_reason is None:
                 s.finish_reason = "abort"
         group.finish_time = time.monotonic()
         self._drop(group)
         return group.output()
+
+    @staticmethod
+    def _catch_up(state: SampleState) -> None:
+        """Detokenize a deferred sample's tokens not processed yet (it has no stop strings or logprobs)."""
+        new_tokens = state.request.output_token_ids[state.num_processed :]
+        state.num_processed += len(new_tokens)
+        if state.detokenizer is not None:
+            for token in new_tokens:
+                state.detokenizer.update_one(token)
 
     def _drop(self, group: RequestGroup) -> None:
         self.groups.pop(group.request_id, None)
