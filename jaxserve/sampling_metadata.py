@@ -9,6 +9,7 @@ combinations at start-up (``warmup_variants``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Iterator, Sequence
 
 import jax
@@ -85,17 +86,33 @@ class SamplingMetadata:
         # A prefill chunk that samples nothing keeps the free greedy defaults. The rest are filled column by
         # column: one numpy write per column, not one per row and setting.
         rows = [i for i, seq in enumerate(seqs) if seq.sample]
-        params = [seqs[i].sampling_params for i in rows]  # [n]
-        unique = list({id(sp): sp for sp in params}.values())  # a batch often shares a few (LLM.generate: one)
-        settings = {id(sp): _row_settings(sp) for sp in unique}
-        if rows:
-            table = np.array([settings[id(sp)] for sp in params], np.float64)  # [n, 7]
+        n = len(rows)
+        sampled = seqs if n == len(seqs) else [seqs[i] for i in rows]  # [n]
+        where = slice(0, n) if n == len(seqs) else np.asarray(rows, np.intp)  # rows as a numpy index, made once
+        kinds: dict[int, int] = {}  # id(SamplingParams) -> its place in ``unique``: a batch often shares a few
+        unique: list[SamplingParams] = []
+        kind: list[int] = []  # [n] each row's place in ``unique``
+        for seq in sampled:
+            k = kinds.get(id(seq.sampling_params))
+            if k is None:
+                k = kinds[id(seq.sampling_params)] = len(unique)
+                unique.append(seq.sampling_params)
+            kind.append(k)
+        if n:
+            table = np.array([_row_settings(sp) for sp in unique], np.float64)[kind]  # [n, 7]
             for column, array in enumerate((temperature, top_p, min_p, presence, frequency, repetition, top_k)):
-                array[rows] = table[:, column]
-            n = len(rows)
-            seeds[rows] = np.fromiter((seqs[i].seed & 0xFFFFFFFF for i in rows), np.uint32, n)
-            steps[rows] = np.fromiter((seqs[i].num_output_tokens for i in rows), np.int32, n)
-            prompt_lens[rows] = np.fromiter((seqs[i].num_prompt_tokens for i in rows), np.int32, n)
+                array[where] = table[:, column]
+            # One pass for the three per-row counters: [n, 3] (seed, tokens generated, prompt length)
+            counters = np.fromiter(
+                itertools.chain.from_iterable(
+                    (seq.seed & 0xFFFFFFFF, seq.num_output_tokens, seq.num_prompt_tokens) for seq in sampled
+                ),
+                np.int64,
+                3 * n,
+            ).reshape(n, 3)
+            seeds[where] = counters[:, 0]
+            steps[where] = counters[:, 1]
+            prompt_lens[where] = counters[:, 2]
         all_greedy = all(sp.greedy for sp in unique)
         needs_filters = any(sp.uses_filters for sp in unique)
         needs_logprobs = any(sp.logprobs is not None for sp in unique)
