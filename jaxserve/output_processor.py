@@ -31,15 +31,15 @@ class SampleState:
     deferred: bool = False
 
     def completion(self) -> CompletionOutput:
-        req = self.request
+        # Positional, in field order: streaming builds one per request per step, and keywords cost twice as much.
         return CompletionOutput(
-            index=self.index,
-            text=self.detokenizer.output_text if self.detokenizer else "",
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            self.index,
+            self.detokenizer.output_text if self.detokenizer else "",  # text
+            list(self.request.output_token_ids),  # token_ids: a snapshot, the request's list grows on
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
         )
 
 
@@ -69,14 +69,15 @@ class RequestGroup:
         return all(s.finish_reason is not None for s in samples)
 
     def output(self) -> RequestOutput:
+        # Positional, in field order (as SampleState.completion).
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.samples],
-            finished=self.finished,
-            num_cached_tokens=self.samples[0].request.num_cached_tokens,
-            metrics={
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [s.completion() for s in self.samples],  # outputs
+            self.finished,
+            self.samples[0].request.num_cached_tokens,
+            {  # metrics
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time,
                 "finish_time": self.finish_time,

@@ -263,7 +263,9 @@ class Scheduler:
                 request.num_pending_tokens -= 1
                 if emitted is None:  # one token a row: the common case, without the loop
                     num_emitted = 1
-                    request.append_output_token(sampled[row])
+                    token = sampled[row]
+                    request.output_token_ids.append(token)  # append_output_token, inline: every request every step
+                    request.all_token_ids.append(token)
                     self._check_stop(request)
                 else:
                     tokens = emitted[row]
