@@ -1,6 +1,7 @@
 """Host cost of the engine loop per step, on CPU with a tiny random Llama (not a test: a measuring script).
 
-    JAX_PLATFORMS=cpu python tests/host_loop_profile.py --seqs 256 [--profile] [--cumulative]
+    JAX_PLATFORMS=cpu python tests/host_loop_profile.py --seqs 256 [--fake-device] [--split] [--profile] [--cumulative]
+    python tests/host_loop_profile.py --model DIR --load-format dummy --seqs 128 --split   # on a GPU
 
 Runs ``--seqs`` prompts of 16 tokens to 128 greedy new tokens (ignore_eos) through LLM.generate (or, with
 ``--cumulative``, through engine.step with streaming outputs, as the server does) and prints the loop's host
@@ -84,15 +85,20 @@ def main() -> None:
         help="skip the jitted step (every row samples token 5): no XLA threads compete with the host, so the "
         "host's CPU time per step is steady on a loaded machine",
     )  # fmt: skip
+    ap.add_argument("--model", default=None, help="a checkpoint instead of the tiny random Llama (GPU runs)")
+    ap.add_argument("--load-format", default="auto", help='with --model: "dummy" for random weights')
     ap.add_argument("--split", action="store_true", help="time the host pieces (unprofiled wrappers)")
     ap.add_argument("--cumulative", action="store_true", help="stream every step's outputs (the server's kind)")
     args = ap.parse_args()
 
-    llm = LLM(
-        checkpoint("llama_gqa"), dtype="float32", max_model_len=256, max_num_seqs=args.seqs,
-        max_num_batched_tokens=max(4096, 16 * args.seqs), block_size=16, compilation_cache_dir="",
-        use_tqdm_on_load=False, precompile="none",
-    )  # fmt: skip
+    if args.model:  # a real checkpoint (on an accelerator): its dtype, its default cache; prompts of random ids
+        llm = LLM(args.model, load_format=args.load_format, max_model_len=1024, max_num_seqs=args.seqs)
+    else:
+        llm = LLM(
+            checkpoint("llama_gqa"), dtype="float32", max_model_len=256, max_num_seqs=args.seqs,
+            max_num_batched_tokens=max(4096, 16 * args.seqs), block_size=16, compilation_cache_dir="",
+            use_tqdm_on_load=False, precompile="none",
+        )  # fmt: skip
     engine = llm.llm_engine
     prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 2 for j in range(16)]} for i in range(args.seqs)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
