@@ -52,10 +52,11 @@ def build_step_inputs(
 
     # Placeholders (a sequence's last token, sampled by the step in flight) come from the device.
     prev_index = np.full(t_pad, -1, np.int32)
-    for i, s in enumerate(seqs):
-        if s.num_placeholders:
-            prev_index[query_start_loc[i + 1] - 1] = s.prev_row
-            input_ids[query_start_loc[i + 1] - 1] = 0
+    placeholder_rows = [i for i, s in enumerate(seqs) if s.num_placeholders]
+    if placeholder_rows:
+        last = query_start_loc[1:][placeholder_rows] - 1  # [p] each one's (last) token
+        prev_index[last] = [seqs[i].prev_row for i in placeholder_rows]
+        input_ids[last] = 0
 
     seq_lens = np.zeros(s_pad, np.int32)
     seq_lens[:s_real] = starts + q_lens
@@ -66,10 +67,7 @@ def build_step_inputs(
     positions = np.zeros(t_pad, np.int32)
     positions[:t_real] = np.arange(t_real, dtype=np.int32) - np.repeat(query_start_loc[:s_real] - starts, q_lens)
 
-    block_tables = np.zeros((s_pad, block_width), np.int32)
-    for i, s in enumerate(seqs):
-        n = -(-int(seq_lens[i]) // block_size)
-        block_tables[i, :n] = s.block_ids[:n]
+    block_tables = _block_tables(seqs, -(-seq_lens[:s_real] // block_size), s_pad, block_width)
 
     slot_mapping = np.full(t_pad, num_blocks * block_size, np.int32)  # out of range: write dropped
     tok_pos = positions[:t_real]
@@ -95,3 +93,22 @@ def build_step_inputs(
         block_tables=block_tables,
         logits_indices=logits_indices,
     )
+
+
+def _block_tables(seqs: list[ScheduledSeq], num_blocks: np.ndarray, s_pad: int, block_width: int) -> np.ndarray:
+    """[S, B] i32: each sequence's first ``num_blocks[i]`` block ids, 0 padded. One flat copy of every table and
+    one scatter, not a numpy write per sequence."""
+    s_real = len(seqs)
+    block_tables = np.zeros((s_pad, block_width), np.int32)
+    lens = np.fromiter((len(s.block_ids) for s in seqs), np.int64, s_real)  # [s_real]
+    total = int(lens.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, total)  # [total]
+    owner = np.repeat(np.arange(s_real), lens)  # [total] the sequence each id belongs to
+    column = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)  # [total] its place in that table
+    if np.any(lens < num_blocks):
+        bad = int(np.argmax(lens < num_blocks))
+        raise ValueError(f"sequence {seqs[bad].req_id!r} holds {lens[bad]} blocks but needs {num_blocks[bad]}")
+    used = column < num_blocks[owner]  # a table may hold blocks past this step's tokens (e.g. proposals')
+    block_tables[owner[used], column[used]] = flat[used]
+    return block_tables
+

@@ -159,14 +159,16 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         req_id = request.request_id
-        blocks = self._req_blocks.get(req_id)
-        if blocks is None:
+        start = self._req_num_cached.get(req_id)  # None: it holds no blocks
+        if start is None:
             return
-        start = self._req_num_cached[req_id]
         # Only tokens known on the host can be hashed: a step in flight may have computed (or be
         # computing) KV for a token the host has not read back yet. Its KV lands before any later step
         # can read the block, since steps run in order on the device.
-        known = min(request.num_computed_tokens, request.num_tokens)
+        known = min(request.num_computed_tokens, len(request.all_token_ids))
+        if known // self.block_size <= start:
+            return  # no block filled up since the last call: most decode steps, so decided before anything else
+        blocks = self._req_blocks[req_id]
         end = min(known // self.block_size, len(blocks))
         if end <= start:
             return
@@ -203,8 +205,12 @@ class KVCacheManager:
         past them. Returns False, changing nothing, when there are not enough free blocks.
         """
         req_id = request.request_id
-        computed_blocks = computed_blocks or []
         blocks = self._req_blocks.get(req_id)
+        if blocks is not None and not computed_blocks:
+            # The common decode step, decided first: the blocks held already have room.
+            if request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+                return True
+        computed_blocks = computed_blocks or []
         admitting = blocks is None
         if not admitting and computed_blocks:
             raise ValueError(f"request {req_id!r} already holds blocks; computed_blocks are for admission only")

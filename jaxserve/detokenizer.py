@@ -59,8 +59,18 @@ class _TokenStream:
 
     def step(self, token_id: int) -> str:
         self._ids.append(token_id)
-        if self._stream is not None:
-            return self._fast_step(token_id)
+        if self._stream is not None:  # DecodeStream, inline: this runs for every token of every request
+            try:
+                text = self._stream.step(self._backend, token_id) or ""
+            except Exception:  # DecodeStream rejects some decoders' outputs ("Invalid prefix encountered")
+                # Carry on with the slower method from the last emitted token; nothing is lost or repeated.
+                self._stream = None
+                self._prefix_offset = max(0, self._read_offset - PROMPT_CONTEXT_TOKENS)
+                self._ids.pop()
+                return self.step(token_id)
+            if text:
+                self._read_offset = len(self._ids)
+            return text
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         # A trailing U+FFFD means the last token ended mid-character: wait for the rest of it.
@@ -68,19 +78,6 @@ class _TokenStream:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full[len(prefix) :]
-
-    def _fast_step(self, token_id: int) -> str:
-        try:
-            text = self._stream.step(self._backend, token_id) or ""
-        except Exception:  # DecodeStream rejects some decoders' outputs ("Invalid prefix encountered")
-            # Carry on with the slower method from the last emitted token; nothing is lost or repeated.
-            self._stream = None
-            self._prefix_offset = max(0, self._read_offset - PROMPT_CONTEXT_TOKENS)
-            self._ids.pop()
-            return self.step(token_id)
-        if text:
-            self._read_offset = len(self._ids)
-        return text
 
 
 def _is_backend(obj) -> bool:
@@ -108,6 +105,11 @@ class IncrementalDetokenizer:
         self.stop_string: Optional[str] = None
 
     @property
+    def has_stops(self) -> bool:
+        """Whether any stop string is watched for (its text must then be built as tokens arrive)."""
+        return bool(self._stops)
+
+    @property
     def stopped(self) -> bool:
         return self.stop_string is not None
 
@@ -115,7 +117,15 @@ class IncrementalDetokenizer:
         """Feed newly generated tokens; returns the text delta to stream (may be "")."""
         if self.stop_string is not None:
             return ""
-        new_text = "".join(self._stream.step(int(t)) for t in new_token_ids)
+        return self._take("".join(self._stream.step(int(t)) for t in new_token_ids))
+
+    def update_one(self, token_id: int) -> str:
+        """``update([token_id])`` without the list and the join: the engine feeds one token at a time."""
+        if self.stop_string is not None:
+            return ""
+        return self._take(self._stream.step(int(token_id)))
+
+    def _take(self, new_text: str) -> str:
         if not self._stops:
             self.output_text += new_text
             return new_text

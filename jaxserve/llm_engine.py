@@ -321,7 +321,10 @@ class LLMEngine:
         else:
             runner_out = self.runner.fetch(handle)
         self.loop_time["wait_s"] += time.perf_counter() - wait_start
-        rows = {seq.req_id: i for i, seq in enumerate(sched.seqs) if seq.sample}
+        # Each request's row, for its logprobs: only a step that returned logprobs needs them.
+        rows = {}
+        if runner_out.sampled_logprobs is not None:
+            rows = {seq.req_id: i for i, seq in enumerate(sched.seqs) if seq.sample}
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.speculator is not None:  # several tokens a row
             self.num_generation_tokens += sum(r.num_output_tokens for r in sched.requests) - before

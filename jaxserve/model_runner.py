@@ -444,7 +444,8 @@ class ModelRunner:
         return to_runner_output(handle.sampled, handle.num_rows)
 
     def _history_len(self, sched: SchedulerOutput) -> int:
-        if not any(seq.sampling_params.uses_penalties for seq in sched.seqs):
+        distinct = {id(seq.sampling_params): seq.sampling_params for seq in sched.seqs}.values()  # often one
+        if not any(sp.uses_penalties for sp in distinct):
             return 0
         longest = max(len(seq.history) for seq in sched.seqs)
         return min(1 << max(4, (longest - 1).bit_length()), self.model_config.max_model_len)

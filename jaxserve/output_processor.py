@@ -25,17 +25,21 @@ class SampleState:
     stop_reason: Optional[int | str] = None
     finish_reason: Optional[str] = None
     num_processed: int = 0  # output tokens already detokenized and given logprobs
+    # Detokenize only once the request ends: nobody sees its text before (a final_only request alone in its group)
+    # and nothing in it can end it early (no stop strings) or needs the step's rows (no logprobs). The text is the
+    # same: the same tokens go through the same incremental detokenizer, later.
+    deferred: bool = False
 
     def completion(self) -> CompletionOutput:
-        req = self.request
+        # Positional, in field order: streaming builds one per request per step, and keywords cost twice as much.
         return CompletionOutput(
-            index=self.index,
-            text=self.detokenizer.output_text if self.detokenizer else "",
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            self.index,
+            self.detokenizer.output_text if self.detokenizer else "",  # text
+            list(self.request.output_token_ids),  # token_ids: a snapshot, the request's list grows on
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
         )
 
 
@@ -50,24 +54,30 @@ class RequestGroup:
     arrival_time: float
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    # Only the finished output is wanted (output_kind="final_only", as LLM.generate asks): kept as a field, since
+    # it is asked of every request every step.
+    final_only: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.final_only = self.samples[0].request.sampling_params.output_kind == "final_only"
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
-
-    @property
-    def final_only(self) -> bool:
-        return self.samples[0].request.sampling_params.output_kind == "final_only"
+        samples = self.samples
+        if len(samples) == 1:  # n == 1, asked of every request every step
+            return samples[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in samples)
 
     def output(self) -> RequestOutput:
+        # Positional, in field order (as SampleState.completion).
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.samples],
-            finished=self.finished,
-            num_cached_tokens=self.samples[0].request.num_cached_tokens,
-            metrics={
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [s.completion() for s in self.samples],  # outputs
+            self.finished,
+            self.samples[0].request.num_cached_tokens,
+            {  # metrics
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time,
                 "finish_time": self.finish_time,
@@ -87,6 +97,12 @@ class OutputProcessor:
         self.groups[group.request_id] = group
         for s in group.samples:
             self.samples[s.request.request_id] = (group, s)
+            s.deferred = (
+                group.final_only
+                and len(group.samples) == 1
+                and s.request.sampling_params.logprobs is None
+                and (s.detokenizer is None or not s.detokenizer.has_stops)
+            )
 
     def child_ids(self, request_id: str) -> list[str]:
         group = self.groups.get(request_id)
@@ -99,34 +115,42 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         stopped_by_string: list[str] = []
+        samples = self.samples
+        stride = runner_out.logprobs_stride if runner_out is not None else 1
+        # Without logprobs in the step (the common case) no row has any to add: skip the per-token lookups.
+        with_logprobs = runner_out is not None and runner_out.sampled_logprobs is not None and bool(rows)
         for req in updated:
-            entry = self.samples.get(req.request_id)
+            entry = samples.get(req.request_id)
             if entry is None:
                 continue
             group, state = entry
             if group.first_token_time is None and req.output_token_ids:
                 group.first_token_time = now
+            if state.deferred and not req.status.finished:
+                continue  # nothing to do until it finishes (SampleState.deferred)
             # One new token a step, or several with speculative decoding: each is processed as if alone.
             new_tokens = req.output_token_ids[state.num_processed :]
-            stride = runner_out.logprobs_stride if runner_out is not None else 1
+            detokenizer = state.detokenizer
             for j, token in enumerate(new_tokens):
                 state.num_processed += 1
-                if runner_out is not None and req.request_id in rows:
+                if with_logprobs and req.request_id in rows:
                     self._add_logprobs(state, token, rows[req.request_id] * stride + j, runner_out)
-                if state.detokenizer is not None:
-                    state.detokenizer.update([token])
+                if detokenizer is not None:
+                    detokenizer.update_one(token)
                     # A stop string before the step's last token wins over a stop the scheduler saw later.
-                    if state.detokenizer.stop_string is not None and (not req.is_finished or j + 1 < len(new_tokens)):
+                    if detokenizer.stop_string is not None and (not req.status.finished or j + 1 < len(new_tokens)):
                         stopped_by_string.append(req.request_id)
                         state.finish_reason = "stop"
                         state.stop_reason = state.detokenizer.stop_string
                         req.truncate_output(state.num_processed)  # what the step emitted past the stop
                         break
-            if req.is_finished and state.finish_reason is None:
+            if req.status.finished and state.finish_reason is None:
                 state.finish_reason = req.status.finish_reason
                 state.stop_reason = req.stop_reason
                 if state.detokenizer is not None:
                     state.detokenizer.finish()
+            if state.finish_reason is None and group.final_only and len(group.samples) == 1:
+                continue  # no output until it finishes (n > 1 groups stay listed: they keep their place in the order)
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
@@ -144,11 +168,22 @@ class OutputProcessor:
         if group is None:
             return None
         for s in group.samples:
+            if s.deferred:  # the text so far, as the output of every step would have had it
+                self._catch_up(s)
             if s.finish_reason is None:
                 s.finish_reason = "abort"
         group.finish_time = time.monotonic()
         self._drop(group)
         return group.output()
+
+    @staticmethod
+    def _catch_up(state: SampleState) -> None:
+        """Detokenize a deferred sample's tokens not processed yet (it has no stop strings or logprobs)."""
+        new_tokens = state.request.output_token_ids[state.num_processed :]
+        state.num_processed += len(new_tokens)
+        if state.detokenizer is not None:
+            for token in new_tokens:
+                state.detokenizer.update_one(token)
 
     def _drop(self, group: RequestGroup) -> None:
         self.groups.pop(group.request_id, None)

@@ -18,7 +18,8 @@ class Logprob:
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One sample of a request. ``text``/``token_ids`` are cumulative (the whole completion so far)."""
+    """One sample of a request. ``text``/``token_ids`` are cumulative (the whole completion so far).
+    (jaxserve.output_processor builds it by position: keep it in step when adding or moving a field.)"""
 
     index: int
     text: str
@@ -34,7 +35,8 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A request's state after a step. ``finished`` once every sample has finished."""
+    """A request's state after a step. ``finished`` once every sample has finished.
+    (jaxserve.output_processor builds it by position: keep it in step when adding or moving a field.)"""
 
     request_id: str
     prompt: Optional[str]

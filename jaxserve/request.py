@@ -17,9 +17,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED
+    def __init__(self, value: str) -> None:
+        # A plain attribute, not a set lookup: the loop asks every request several times a step, and hashing an
+        # enum member runs Python code.
+        self.finished: bool = value.startswith("finished_")
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -28,11 +29,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self)
-
-
-_FINISHED = frozenset(
-    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-)
 
 
 class Request:
@@ -106,7 +102,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in _FINISHED
+        return self.status.finished
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -9,11 +9,13 @@ combinations at start-up (``warmup_variants``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Iterator, Sequence
 
 import jax
 import numpy as np
 
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import ScheduledSeq
 
 
@@ -81,31 +83,50 @@ class SamplingMetadata:
         steps = np.zeros(num_rows, np.int32)
         prompt_lens = np.zeros(num_rows, np.int32)
         banned = np.full((num_rows, MAX_BANNED), -1, np.int32)
-        all_greedy, needs_penalties, needs_filters, needs_logprobs, needs_bans = True, False, False, False, False
-        penalty_rows: list[int] = []
-        for i, seq in enumerate(seqs):
-            if not seq.sample:
-                continue  # a prefill chunk that samples nothing: keep the free greedy defaults
-            sp = seq.sampling_params
-            temperature[i] = sp.temperature
-            if not sp.greedy:  # a greedy row's filters change nothing; left on they could force a full sort
-                top_k[i], top_p[i], min_p[i] = sp.top_k, sp.top_p, sp.min_p
-            presence[i] = sp.presence_penalty
-            frequency[i] = sp.frequency_penalty
-            repetition[i] = sp.repetition_penalty
-            seeds[i] = seq.seed & 0xFFFFFFFF
-            steps[i] = seq.num_output_tokens
-            prompt_lens[i] = seq.num_prompt_tokens
-            if seq.num_output_tokens < sp.min_tokens:  # vLLM: stop tokens cannot be sampled before min_tokens
-                ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(seq.eos_token_ids))
-                banned[i, : len(ban)] = ban[:MAX_BANNED]
-                needs_bans |= len(ban) > 0
-            all_greedy &= sp.greedy
-            needs_filters |= sp.uses_filters
-            needs_logprobs |= sp.logprobs is not None
-            if sp.uses_penalties:
-                needs_penalties = True
-                penalty_rows.append(i)
+        # A prefill chunk that samples nothing keeps the free greedy defaults. The rest are filled column by
+        # column: one numpy write per column, not one per row and setting.
+        rows = [i for i, seq in enumerate(seqs) if seq.sample]
+        n = len(rows)
+        sampled = seqs if n == len(seqs) else [seqs[i] for i in rows]  # [n]
+        where = slice(0, n) if n == len(seqs) else np.asarray(rows, np.intp)  # rows as a numpy index, made once
+        kinds: dict[int, int] = {}  # id(SamplingParams) -> its place in ``unique``: a batch often shares a few
+        unique: list[SamplingParams] = []
+        kind: list[int] = []  # [n] each row's place in ``unique``
+        for seq in sampled:
+            k = kinds.get(id(seq.sampling_params))
+            if k is None:
+                k = kinds[id(seq.sampling_params)] = len(unique)
+                unique.append(seq.sampling_params)
+            kind.append(k)
+        if n:
+            table = np.array([_row_settings(sp) for sp in unique], np.float64)[kind]  # [n, 7]
+            for column, array in enumerate((temperature, top_p, min_p, presence, frequency, repetition, top_k)):
+                array[where] = table[:, column]
+            # One pass for the three per-row counters: [n, 3] (seed, tokens generated, prompt length)
+            counters = np.fromiter(
+                itertools.chain.from_iterable(
+                    (seq.seed & 0xFFFFFFFF, seq.num_output_tokens, seq.num_prompt_tokens) for seq in sampled
+                ),
+                np.int64,
+                3 * n,
+            ).reshape(n, 3)
+            seeds[where] = counters[:, 0]
+            steps[where] = counters[:, 1]
+            prompt_lens[where] = counters[:, 2]
+        all_greedy = all(sp.greedy for sp in unique)
+        needs_filters = any(sp.uses_filters for sp in unique)
+        needs_logprobs = any(sp.logprobs is not None for sp in unique)
+        needs_penalties = any(sp.uses_penalties for sp in unique)
+        needs_bans = False
+        if any(sp.min_tokens for sp in unique):
+            for i in rows:
+                seq = seqs[i]
+                sp = seq.sampling_params
+                if seq.num_output_tokens < sp.min_tokens:  # vLLM: stop tokens cannot be sampled before min_tokens
+                    ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(seq.eos_token_ids))
+                    banned[i, : len(ban)] = ban[:MAX_BANNED]
+                    needs_bans |= len(ban) > 0
+        penalty_rows = [i for i in rows if seqs[i].sampling_params.uses_penalties] if needs_penalties else []
         history = _history(seqs, penalty_rows, num_rows, history_len) if needs_penalties else None
         return cls(
             temperature=temperature,
@@ -142,6 +163,20 @@ class SamplingMetadata:
                 yield dataclasses.replace(
                     base, all_greedy=all_greedy, needs_filters=needs_filters, needs_logprobs=needs_logprobs
                 )
+
+
+def _row_settings(sp: SamplingParams) -> tuple:
+    """A sampled row's (temperature, top_p, min_p, presence, frequency, repetition, top_k), as from_seqs's columns."""
+    filters = not sp.greedy  # a greedy row's filters change nothing; left on they could force a full sort
+    return (
+        sp.temperature,
+        sp.top_p if filters else 1.0,
+        sp.min_p if filters else 0.0,
+        sp.presence_penalty,
+        sp.frequency_penalty,
+        sp.repetition_penalty,
+        sp.top_k if filters else 0,
+    )
 
 
 def _history(seqs: Sequence[ScheduledSeq], rows: list[int], num_rows: int, history_len: int) -> np.ndarray:

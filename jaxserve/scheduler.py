@@ -71,6 +71,7 @@ class Scheduler:
         # so a request ends with "length" once it fills the cache, even if max_model_len is larger.
         self.max_len = min(max_model_len, self.kv.max_num_tokens)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self._num_penalty_requests = 0  # of those, the ones using penalties (most steps have none to look for)
         self.waiting: collections.deque[Request] = collections.deque()  # FIFO; preempted go in front
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0  # total, for metrics
@@ -136,6 +137,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._num_penalty_requests += request.sampling_params.uses_penalties
         self.waiting.append(request)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -149,6 +151,7 @@ class Scheduler:
             request = self.requests.pop(req_id, None)
             if request is None:
                 continue
+            self._num_penalty_requests -= request.sampling_params.uses_penalties
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -163,31 +166,47 @@ class Scheduler:
         """Pick this step's requests and token counts, allocating their KV blocks (preempting if needed)."""
         budget = self.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
+        scheduled: list[Request] = []  # parallel to seqs
         preempted: list[str] = []
 
-        loras: set[int] = set()  # adapters of this step's requests
+        loras: set[int] = set()  # adapters of this step's requests (the base model's 0 need not be kept)
 
         # Running requests first, in admission order; a victim is always taken from the unscheduled end.
+        # This loop runs for every running request every step: the checks that rarely apply (a pending token, an
+        # adapter, proposals) are only called when their attribute says they can.
+        running = self.running  # preemption pops from this same list
+        threshold = self.long_prefill_token_threshold
+        allocate_slots = self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if num_new <= 0 or self._reaches_limit(request) or not self._lora_fits(request, loras):
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = len(request.all_token_ids) + request.num_pending_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if (
+                num_new <= 0
+                or (request.num_pending_tokens and self._reaches_limit(request))
+                or (request.lora_request is not None and not self._lora_fits(request, loras))
+            ):
                 i += 1  # its pending token ends it (or nothing to do until results are back)
                 continue
-            spec = self._spec_tokens(request, num_new, budget)
-            if spec and not self.kv.allocate_slots(request, num_new + len(spec)):
-                spec = []  # no room for the proposals: an ordinary decode, which may preempt as usual
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+            spec = self._spec_tokens(request, num_new, budget) if request.spec_token_ids else ()
+            if spec and not allocate_slots(request, num_new + len(spec)):
+                spec = ()  # no room for the proposals: an ordinary decode, which may preempt as usual
+            while not allocate_slots(request, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
                 seqs.append(self._scheduled_seq(request, num_new, row=len(seqs), spec=spec))
+                scheduled.append(request)
                 budget -= num_new + len(spec)
-                loras.add(request.lora_int_id)
+                if request.lora_request is not None:
+                    loras.add(request.lora_request.lora_int_id)
                 i += 1
 
         # Then waiting ones, FIFO. Not after a preemption: the cache is full, and admitting now would
@@ -209,20 +228,22 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 break
             del self.waiting[j]
-            loras.add(request.lora_int_id)
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
             if request.status == RequestStatus.WAITING:  # first admission, not a preempted one's return
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             seqs.append(self._scheduled_seq(request, num_new, row=len(seqs)))
+            scheduled.append(request)
             budget -= num_new
 
         return SchedulerOutput(
             seqs=seqs,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted_req_ids=preempted,
-            requests=[self.requests[seq.req_id] for seq in seqs],
+            requests=scheduled,
         )
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
@@ -232,40 +253,54 @@ class Scheduler:
         previous step's results, an abort) are ignored: their tokens were computed past the end."""
         updated: list[Request] = []
         any_finished = False
+        emitted = runner_out.emitted_token_ids
+        sampled = runner_out.sampled_token_ids
+        cache_full_blocks = self.kv.cache_full_blocks
         for row, (seq, request) in enumerate(zip(sched_out.seqs, sched_out.requests)):
-            if request.is_finished:
+            if request.status.finished:
                 continue
             if seq.sample:
                 request.num_pending_tokens -= 1
-                emitted = runner_out.emitted_token_ids
-                tokens = emitted[row] if emitted is not None else (runner_out.sampled_token_ids[row],)
-                for token in tokens:  # one, or with speculation the accepted proposals and one more
-                    request.append_output_token(token)
+                if emitted is None:  # one token a row: the common case, without the loop
+                    num_emitted = 1
+                    token = sampled[row]
+                    request.output_token_ids.append(token)  # append_output_token, inline: every request every step
+                    request.all_token_ids.append(token)
                     self._check_stop(request)
-                    if request.is_finished:
-                        break  # tokens past a stop or a length limit are dropped
+                else:
+                    tokens = emitted[row]
+                    num_emitted = len(tokens)
+                    for token in tokens:  # with speculation the accepted proposals and one more
+                        request.append_output_token(token)
+                        self._check_stop(request)
+                        if request.status.finished:
+                            break  # tokens past a stop or a length limit are dropped
                 if seq.num_spec_tokens:
                     # Roll back the rejected proposals: their KV is not the sequence's, and their slots go back.
-                    request.num_computed_tokens -= seq.num_spec_tokens - (len(tokens) - 1)
+                    request.num_computed_tokens -= seq.num_spec_tokens - (num_emitted - 1)
                     self.kv.free_tail(request, request.num_computed_tokens + 1)
                 updated.append(request)
+            status = request.status
             # Before freeing: a finished request's blocks stay revivable for a follow-up turn.
-            if request.status == RequestStatus.RUNNING or request.is_finished:
-                self.kv.cache_full_blocks(request)
-            if request.is_finished:
+            if status is RequestStatus.RUNNING or status.finished:
+                cache_full_blocks(request)
+            if status.finished:
                 any_finished = True
                 request.num_pending_tokens = 0  # a token the next step computed past the end is dropped
                 del self.requests[request.request_id]
+                self._num_penalty_requests -= request.sampling_params.uses_penalties
                 self.kv.free(request)
                 if request in self.waiting:  # preempted while its last token was in flight
                     self.waiting.remove(request)
         if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
+            self.running = [r for r in self.running if not r.status.finished]
         return updated
 
     def has_pending_penalty_rows(self) -> bool:
         """Whether a running request with a token in flight uses penalties: its next step needs the whole
         history on the host, so the engine reads the step in flight back before scheduling."""
+        if not self._num_penalty_requests:
+            return False
         return any(r.num_pending_tokens and r.sampling_params.uses_penalties for r in self.running)
 
     # ---- helpers ----
@@ -279,11 +314,12 @@ class Scheduler:
 
     def _reaches_limit(self, request: Request) -> bool:
         """A pending token will end this request by length: scheduling it again would compute past the end."""
-        if not request.num_pending_tokens:
+        pending = request.num_pending_tokens
+        if not pending:
             return False
-        max_tokens = request.sampling_params.max_tokens
-        return request.num_tokens_with_pending >= self.max_len or (
-            max_tokens is not None and request.num_output_tokens + request.num_pending_tokens >= max_tokens
+        max_tokens = request.sampling_params.max_tokens  # asked of every request every async step: lengths, no properties
+        return len(request.all_token_ids) + pending >= self.max_len or (
+            max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens
         )
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -310,33 +346,44 @@ class Scheduler:
     def _scheduled_seq(self, request: Request, num_new: int, row: int, spec: list[int] = ()) -> ScheduledSeq:
         """The request's share of this step; advances its accounting as if the step had already run. ``spec``:
         proposals verified after its last token (their slots are allocated; rejected ones are rolled back)."""
-        request.spec_token_ids = []  # used now, or dropped: the proposer makes new ones after each step
+        if request.spec_token_ids:
+            request.spec_token_ids = []  # used now, or dropped: the proposer makes new ones after each step
         start = request.num_computed_tokens
         end = start + num_new
-        known = request.num_tokens
+        all_token_ids = request.all_token_ids
+        known = len(all_token_ids)
+        pending = request.num_pending_tokens
         num_placeholders = max(0, end - known)
         # One step in flight at most, and it samples one token per request: at most one placeholder.
-        assert num_placeholders <= 1 and num_placeholders <= request.num_pending_tokens, request
+        assert num_placeholders <= 1 and num_placeholders <= pending, request
+        token_ids = all_token_ids[start:end]
+        if num_placeholders:
+            token_ids.append(-1)  # all_token_ids[start:end] stopped at the known tokens
+        if spec:
+            token_ids += spec
+        sample = end == known + pending
+        # Positional, in field order (named in the comments): keyword arguments cost three times as much, and this
+        # runs for every sequence every step.
         seq = ScheduledSeq(
-            req_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + [-1] * num_placeholders + list(spec),
-            start_pos=start,
-            block_ids=self.kv.get_block_ids(request),
-            sample=end == request.num_tokens_with_pending,
-            sampling_params=request.sampling_params,
-            seed=request.seed,
-            num_output_tokens=request.num_output_tokens + request.num_pending_tokens,
-            history=request.all_token_ids,
-            num_prompt_tokens=request.num_prompt_tokens,
-            eos_token_ids=request.eos_token_ids,
-            num_placeholders=num_placeholders,
-            prev_row=request.pending_row if num_placeholders else -1,
-            num_spec_tokens=len(spec),
-            lora_request=request.lora_request,
-            mm=request.mm,
+            request.request_id,  # req_id
+            token_ids,
+            start,  # start_pos
+            self.kv.get_block_ids(request),  # block_ids
+            sample,
+            request.sampling_params,
+            request.seed,
+            len(request.output_token_ids) + pending,  # num_output_tokens
+            all_token_ids,  # history
+            len(request.prompt_token_ids),  # num_prompt_tokens
+            request.eos_token_ids,
+            num_placeholders,
+            request.pending_row if num_placeholders else -1,  # prev_row
+            len(spec),  # num_spec_tokens
+            request.lora_request,
+            request.mm,
         )
         request.num_computed_tokens = end + len(spec)
-        if seq.sample:
+        if sample:
             request.num_pending_tokens += 1
             request.pending_row = row
         return seq
@@ -356,16 +403,17 @@ class Scheduler:
         """Stop checks after a token is appended. A stop token wins over a length limit reached by the
         same token, so finish_reason says why the model stopped."""
         params = request.sampling_params
+        num_output = len(request.output_token_ids)  # called for every token: lengths, not the properties
         token = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return
-        if request.num_tokens >= self.max_len or (
-            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        if len(request.all_token_ids) >= self.max_len or (
+            params.max_tokens is not None and num_output >= params.max_tokens
         ):
             request.status = RequestStatus.FINISHED_LENGTH

@@ -9,9 +9,10 @@ from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # one per sequence per step: slots make it cheaper to build and read
 class ScheduledSeq:
-    """One sequence's share of a step."""
+    """One sequence's share of a step. (Scheduler._scheduled_seq passes the fields by position: keep it in step when
+    adding or moving one.)"""
 
     req_id: str
     # The tokens to compute this step: all_token_ids[start_pos : start_pos + len]. The last
