@@ -198,7 +198,9 @@ class VisionRunner:
             groups[patch_bucket(img.num_patches)].append((img, rows))
         self._misses = []
         for bucket, items in sorted(groups.items()):
-            most = max(1, _MAX_BATCH_ROWS // bucket)
+            # With enforce_eager every intermediate is its own allocation, outside any program's memory plan: [B,
+            # Hv, N, N] scores of 8 images ran a 7B model's headroom out of memory on the H200. One image a call.
+            most = 1 if self.runner._eager_model is not None else max(1, _MAX_BATCH_ROWS // bucket)
             for k in range(0, len(items), most):
                 self._encode_batch(bucket, items[k : k + most])
 

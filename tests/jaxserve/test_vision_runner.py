@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ from jaxserve.multimodal import ImageItem, MultiModalInputs, _runs, parse_limit_
 from jaxserve.vision_runner import VisionRunner, patch_bucket, pool_rows
 
 
-def _runner(num_rows: int) -> VisionRunner:
+def _runner(num_rows: int, eager: bool = False) -> VisionRunner:
     v = object.__new__(VisionRunner)
+    v.runner = types.SimpleNamespace(_eager_model=object() if eager else None)
     v.num_rows, v.entries, v.free_rows = num_rows, collections.OrderedDict(), list(range(num_rows - 1, -1, -1))
     v._pinned, v._misses, v.num_encoded, v.num_cache_hits = set(), [], 0, 0
     v.encoded, v.calls = [], []
@@ -113,6 +115,15 @@ def test_a_steps_misses_are_encoded_together_by_bucket():
         v.step_fields(seqs, np.zeros(80, np.int32), np.array([0, 40, 80]))
     assert not v.calls and huge[0].hash not in v.entries and len(v.free_rows) + sum(
         len(e.rows) for e in v.entries.values()) == 64  # fmt: skip
+
+
+def test_eager_encodes_one_image_a_call():
+    """enforce_eager has no program memory plan: batched [B, Hv, N, N] scores ran a 7B model out of memory."""
+    v = _runner(64, eager=True)
+    rope = np.zeros((3, 40), np.int32)
+    seqs = [_Seq("r1", [0] * 40, 0, MultiModalInputs(tuple(_img(n, 4 * k, 4) for k, n in enumerate("abc")), rope, 0))]
+    v.step_fields(seqs, np.zeros(40, np.int32), np.array([0, 40]))
+    assert v.calls == [(64, 1)] * 3
 
 
 def test_small_helpers():
