@@ -11,6 +11,7 @@ import tempfile
 import numpy as np
 
 IMG, START, END = 500, 501, 502
+PH = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's place in a text prompt
 BOS, EOS = 0, 1
 
 # Qwen2-VL's chat template, reduced to what the tests need: an image part is the three placeholder tokens.
@@ -54,6 +55,17 @@ def tiny_qwen2_vl() -> str:
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     return path
+
+
+def tiny_vl_llm(**overrides):
+    """An LLM over the tiny checkpoint in float32, shapes compiled on first use; ``overrides`` replace these."""
+    from jaxserve.llm import LLM
+
+    kw = dict(
+        dtype="float32", max_model_len=256, max_num_batched_tokens=16, max_num_seqs=8, block_size=4,
+        compilation_cache_dir="", use_tqdm_on_load=False, limit_mm_per_prompt={"image": 2}, precompile="none",
+    )  # fmt: skip
+    return LLM(tiny_qwen2_vl(), **{**kw, **overrides})
 
 
 def image(h: int, w: int, seed: int = 0):

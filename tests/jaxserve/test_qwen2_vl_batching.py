@@ -7,25 +7,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_qwen2_vl import IMG, hf_greedy, image, tiny_qwen2_vl
+from tiny_qwen2_vl import IMG, PH, hf_greedy, image, tiny_vl_llm
 
 from jaxserve import vision_runner
-from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
 N = 4  # new tokens per request
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @pytest.fixture(scope="module")
 def llm():
     # A 48-token budget: the first step holds three new images, of two patch buckets, and cuts the third.
     # No prefix caching, so a second run of the same prompts encodes the images again.
-    return LLM(
-        tiny_qwen2_vl(), dtype="float32", max_model_len=128, max_num_batched_tokens=48, max_num_seqs=8,
-        block_size=4, compilation_cache_dir="", use_tqdm_on_load=False, limit_mm_per_prompt={"image": 2},
-        precompile="none", enable_prefix_caching=False,
-    )  # fmt: skip
+    return tiny_vl_llm(max_model_len=128, max_num_batched_tokens=48, enable_prefix_caching=False)
 
 
 def _params():

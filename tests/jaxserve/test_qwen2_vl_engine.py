@@ -9,23 +9,18 @@ import base64
 import io
 
 import pytest
-from tiny_qwen2_vl import IMG, hf_greedy, image, tiny_qwen2_vl
+from tiny_qwen2_vl import IMG, PH, hf_greedy, image, tiny_qwen2_vl, tiny_vl_llm
 
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
 N = 6  # new tokens per request
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @pytest.fixture(scope="module")
 def llm():
     # A 16-token budget: the first prompt's image (tokens 11..22) is cut by the first chunk's end.
-    return LLM(
-        tiny_qwen2_vl(), dtype="float32", max_model_len=256, max_num_batched_tokens=16, max_num_seqs=8,
-        block_size=4, compilation_cache_dir="", use_tqdm_on_load=False, limit_mm_per_prompt={"image": 2},
-        precompile="none",  # the few shapes these prompts reach compile on first use
-    )  # fmt: skip
+    return tiny_vl_llm()
 
 
 def _params():
