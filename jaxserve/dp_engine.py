@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import logging
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import wait
@@ -60,6 +61,7 @@ class DPEngine:
         self.scheduler_config = first["scheduler_config"]
         self.text_config = first["text_config"]
         self.tokenizer = first["tokenizer"]
+        self._tokenizer_lock = threading.Lock()  # LLMEngine.tokenize_prompt's, which this engine borrows
         self.eos_token_ids = first["eos_token_ids"]
         self._placements: dict[str, _Placement] = {}
         self._outputs: list[RequestOutput] = []  # arrived, not yet returned by step()
