@@ -192,9 +192,12 @@ class DPEngine:
 
     def get_stats(self) -> EngineStats:
         stats = [r.get_stats() for r in self.replicas]
+        names = ("lora_running", "lora_waiting")  # adapter names: the union over replicas
         summed = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
-                  if f.name != "spec_accepted_per_pos"}
+                  if f.name not in ("spec_accepted_per_pos", *names)}  # fmt: skip
         summed["spec_accepted_per_pos"] = tuple(map(sum, zip(*(s.spec_accepted_per_pos for s in stats))))
+        for name in names:
+            summed[name] = tuple(sorted({n for s in stats for n in getattr(s, name)}))
         summed["kv_cache_usage"] = summed["kv_cache_usage"] / len(stats)  # every replica has the same cache size
         return EngineStats(**summed)
 

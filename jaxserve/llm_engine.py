@@ -52,6 +52,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # [k]: drafts whose proposal j was accepted
+    # Multi-LoRA (empty without it): the adapters of the running and of the waiting requests, by name.
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -355,6 +358,7 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=getattr(s, "num_preemptions", 0),
             **(self.speculator.stats.engine_stats() if self.speculator is not None else {}),
+            **(_lora_names(s) if self.runner.lora is not None else {}),
         )
 
     def info(self) -> dict[str, Any]:
@@ -381,3 +385,12 @@ class LLMEngine:
             "lora": None if self.runner.lora_config is None else dataclasses.asdict(self.runner.lora_config),
             "vision": None if getattr(self.runner, "vision", None) is None else self.runner.vision.info(),
         }
+
+
+def _lora_names(scheduler) -> dict[str, tuple[str, ...]]:
+    """EngineStats' lora_running / lora_waiting: sorted adapter names (vLLM's lora_requests_info labels)."""
+
+    def names(requests) -> tuple[str, ...]:
+        return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+    return {"lora_running": names(scheduler.running), "lora_waiting": names(scheduler.waiting)}

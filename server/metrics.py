@@ -7,6 +7,7 @@ several servers in one process (tests) never clash.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -28,9 +29,10 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 class _EngineGauges(Collector):
     """Gauges computed at scrape time from the engine's latest stats (no polling thread needed)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_loras: Optional[int] = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_loras = max_loras  # None: LoRA is off
 
     def collect(self):
         stats = self.engine.get_stats()
@@ -47,6 +49,17 @@ class _EngineGauges(Collector):
             yield g
         if stats.spec_accepted_per_pos:  # speculative decoding is on
             yield from _spec_decode_metrics(stats, self.model_name)
+        if self.max_loras is not None:  # LoRA is on
+            yield _lora_requests_info(stats, self.max_loras)
+
+
+def _lora_requests_info(stats, max_loras: int) -> GaugeMetricFamily:
+    """vLLM's ``lora_requests_info``: the adapters in use in its labels (comma-separated names), its value the
+    time of the reading, so that a dashboard shows the latest set."""
+    labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+    g = GaugeMetricFamily("jaxserve:lora_requests_info", "Running and waiting LoRA adapters.", labels=labels)
+    g.add_metric([str(max_loras), ",".join(stats.lora_running), ",".join(stats.lora_waiting)], time.time())
+    return g
 
 
 class _CacheConfigInfo(Collector):
@@ -120,9 +133,10 @@ class ServerMetrics(EngineObserver):
         self._e2e = self.e2e.labels(model_name)
 
     def attach(self, engine: AsyncLLMEngine) -> None:
-        self.registry.register(_EngineGauges(engine, self.model_name))
         info_fn = getattr(engine.engine, "info", None)  # test doubles of the engine may have none
         info = info_fn() if info_fn is not None else {}
+        lora = info.get("lora") or {}
+        self.registry.register(_EngineGauges(engine, self.model_name, lora.get("max_loras")))
         if "num_kv_blocks" in info:  # generate engines (a pooling engine keeps no KV cache)
             self.registry.register(_CacheConfigInfo(info, self.model_name))
 

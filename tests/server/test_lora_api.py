@@ -100,3 +100,18 @@ def test_lora_modules_flag_parses_name_equals_path():
     assert parse_lora_modules(["sql=/a/b", "chat=/c=d"]) == [("sql", "/a/b"), ("chat", "/c=d")]
     with pytest.raises(ValueError, match="--lora-modules"):
         parse_lora_modules(["just-a-path"])
+
+
+def test_metrics_list_the_adapters_in_use(setup, client):
+    """vLLM's lora_requests_info gauge: max_lora and the running / waiting adapters by name, in its labels."""
+    import types
+
+    from jaxserve.llm_engine import _lora_names
+
+    _complete(client, "sql")
+    text = httpx.get(setup[0].url + "/metrics", timeout=30).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("jaxserve:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line  # nothing runs between requests
+    req = lambda name: types.SimpleNamespace(lora_request=name and types.SimpleNamespace(lora_name=name))  # noqa: E731
+    sched = types.SimpleNamespace(running=[req("sql"), req(None), req("chat"), req("sql")], waiting=[req("b")])
+    assert _lora_names(sched) == {"lora_running": ("chat", "sql"), "lora_waiting": ("b",)}
