@@ -112,12 +112,13 @@ class MultiModalProcessor:
                 f"send at most {self.max_images} or raise --limit-mm-per-prompt image=N"
             )
         images = [_as_rgb(im, i) for i, im in enumerate(images)]
-        pixels = self._background_pixels(images)
-        if pixels is None:  # the processor's grids are not known without running it: run it now
-            flat, grids = self.image_processor(images)  # [N_all, C*Tp*P*P], [I, 3]
+        proc = self.image_processor
+        if proc.grids_known_early:  # raises here, on the caller's thread, for a bad size
+            grids = np.asarray([proc.grid_thw(im) for im in images], np.int64)  # [I, 3]
+            pixels = self._background_pixels(images, grids)
+        else:  # the processor's grids are not known without running it: run it now
+            flat, grids = proc(images)  # [N_all, C*Tp*P*P], [I, 3]
             pixels = np.split(flat, np.cumsum(np.prod(grids, axis=1))[:-1])
-        else:
-            grids = np.asarray([self.image_processor.grid_thw(im) for im in images], np.int64)
         sizes = self.image_processor.num_image_tokens(grids)
         ids = self._expand(ids, count, sizes)
         from jaxserve.models.qwen2_vl_positions import mrope_positions
@@ -132,21 +133,17 @@ class MultiModalProcessor:
             start = offset + size
         return ids, MultiModalInputs(tuple(items), rope, delta)
 
-    def _background_pixels(self, images: list) -> Optional[list]:
+    def _background_pixels(self, images: list, grids: np.ndarray) -> list:
         """Futures of each image's pixel rows, computed on this processor's threads while the engine runs: the
-        placeholders are counted from the image sizes alone (``grid_thw``), and the vision step waits for the
+        placeholders were counted from the image sizes alone (``grid_thw``), and the vision step waits for the
         rows only when it encodes the image. Preprocessing is ~10 ms of host time an image (resize, normalise,
-        patchify), which would otherwise all come before the first step. None when the grids cannot be known
-        early (then the caller preprocesses now)."""
-        proc = self.image_processor
-        if not proc.grids_known_early:
-            return None
-        grids = [proc.grid_thw(im) for im in images]  # raises here, on the caller's thread, for a bad size
+        patchify), which would otherwise all come before the first step."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="jaxserve-image"
             )
-        return [self._pool.submit(_pixels_of, proc, im, grid) for im, grid in zip(images, grids)]
+        proc = self.image_processor
+        return [self._pool.submit(_pixels_of, proc, im, tuple(g)) for im, g in zip(images, grids.tolist())]
 
     def _expand(self, ids: list[int], count: int, sizes: list[int]) -> list[int]:
         """One placeholder per image -> ``sizes[i]`` of them; already-expanded runs are kept."""
