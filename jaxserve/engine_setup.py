@@ -80,7 +80,9 @@ def build_engine_components(
     from jaxserve.model_loader import load_model, read_text_config, resolve_model_path
     from jaxserve.models.loader.weights import param_bytes
     from jaxserve.model_runner import ModelRunner
-    from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, check_kv_cache_dtype, get_attention_fn, resolve_backend
+    from jaxserve.pallas_kernels.attention import (
+        GATHER_BACKENDS, check_kv_cache_dtype, donating_kv, get_attention_fn, resolve_backend,
+    )
     from jaxserve.scheduler import Scheduler
 
     args.validate()
@@ -98,6 +100,8 @@ def build_engine_components(
         sharding.check_tensor_parallel(read_text_config(path), tp)  # before any weight is read
         if backend not in GATHER_BACKENDS:  # a kernel is not split by XLA's partitioner: run it per device
             attention_fn = sharding.shard_attention(attention_fn, mesh)
+    if args.enforce_eager:
+        attention_fn = donating_kv(attention_fn)
 
     t0 = time.perf_counter()
     model, text_config = load_model(

@@ -87,6 +87,15 @@ def get_attention_fn(name: str, platform: str) -> AttentionFn:
     return jax.jit(fn, static_argnames=("scale", "sliding_window", "precision"))
 
 
+def donating_kv(fn: AttentionFn) -> AttentionFn:
+    """For enforce_eager: attention as a program of its own that takes the layer's K and V pages as donated
+    buffers, so that the in-place KV write reuses them. Without donation every eager call copies the layer's
+    pages while the runner still holds the originals: by the end of a step the cache existed twice (a 7B
+    Qwen2-VL ran out of memory on the H200 at gpu_memory_utilization 0.9, 2026-12-01). Inside a jitted step
+    the call is inlined and the step's own donation applies; this one is then ignored."""
+    return jax.jit(fn, static_argnames=("scale", "sliding_window", "precision"), donate_argnums=(3, 4))
+
+
 def _backend_fn(backend: str, platform: str) -> AttentionFn:
     if backend == "reference":
         return paged_attention

@@ -3,9 +3,11 @@
     jaxserve bench ablation --model DIR --load-format dummy --num-prompts 256 --input-len 512 --output-len 256 \
         --range-ratio 0 --output-dir OUT
 
-Rows (--rows picks a subset, in this order): HF transformers `generate` (static batches); jaxserve in
+Rows (--rows picks a subset, in this order): HF transformers `generate` (static batches) in the shipped
+dtype; HF in float32 (`hf-fp32`, not run unless asked: on the CPU the first row is float32 already); jaxserve in
 float32; jaxserve without chunked prefill; jaxserve with enforce_eager (no whole-step jit); jaxserve as
-shipped (dtype auto: bf16 on accelerators). Every row runs in a fresh Python process of its own (HF through
+shipped (dtype auto: bf16 on accelerators). Every row's speed-up is against the first HF row, and the
+jaxserve float32 row's also against HF in float32 (`speedup_vs_hf_same_dtype`), so fp32 compares like with like. Every row runs in a fresh Python process of its own (HF through
 jaxserve.bench.hf_generate, jaxserve through `bench sweep`'s child), one after another, so each starts with
 all device memory free and no row's compiled code or caches help another. Each jaxserve child warms up with
 two requests, then times one `LLM.generate` over the same seeded workload (EOS ignored).
@@ -26,11 +28,13 @@ import platform
 import sys
 import time
 
-ROWS = ("hf", "fp32", "no-chunked-prefill", "eager", "default")
+ROWS = ("hf", "hf-fp32", "fp32", "no-chunked-prefill", "eager", "default")
+DEFAULT_ROWS = ("hf", "fp32", "no-chunked-prefill", "eager", "default")
 
 # What each row changes, for the table (the docs explain the measured differences).
 NOTES = {
     "hf": "HF transformers generate, static batches, padded to the batch's longest prompt and output",
+    "hf-fp32": "HF transformers generate in float32 (the like-for-like baseline of the fp32 row)",
     "fp32": "jaxserve, float32 weights and activations (twice the bytes of bf16; full-precision matmuls)",
     "no-chunked-prefill": "jaxserve, a prompt must fit one step: no mixing of prefill chunks with decodes",
     "eager": "jaxserve, enforce_eager: no whole-step jit, every op dispatched from Python",
@@ -44,7 +48,8 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--input-len", "--input_len", dest="input_len", type=int, default=512)
     p.add_argument("--output-len", "--output_len", dest="output_len", type=int, default=256)
     p.add_argument("--range-ratio", "--range_ratio", dest="range_ratio", type=float, default=0.0)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help=f"comma-separated subset of {','.join(ROWS)} (default: {','.join(DEFAULT_ROWS)})")
     p.add_argument("--hf-batch-size", "--hf_batch_size", dest="hf_batch_size", type=int, default=64)
     p.add_argument("--eager-scale", "--eager_scale", dest="eager_scale", type=float, default=0.125,
                    help="the eager row's input and output lengths are scaled by this (1: the same workload)")
@@ -110,15 +115,16 @@ def run(ns: argparse.Namespace) -> int:
             _print_row(rows[-1])
             continue
         print(f"ablation: {name}: running...", flush=True)
-        if name == "hf":
+        if name in ("hf", "hf-fp32"):
+            row_dtype = dtype if name == "hf" else "float32"
             path, _ = resolve_model_path(args.model, args.load_format)
             vocab = read_text_config(path).vocab_size
             # The same requests as the jaxserve children draw (sweep.measure's seed and token range).
             work = random_workload(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab, seed=0,
                                    token_range=(min(100, vocab // 2), min(vocab, 32000)))
             try:
-                row = {"output_tokens_per_s": run_in_subprocess(path, work, ns.hf_batch_size, dtype)["output_tokens_per_s"],
-                       "dtype": dtype, "batch_size": ns.hf_batch_size}
+                row = {"output_tokens_per_s": run_in_subprocess(path, work, ns.hf_batch_size, row_dtype)["output_tokens_per_s"],
+                       "dtype": row_dtype, "batch_size": ns.hf_batch_size}
             except Exception as e:  # noqa: BLE001 - one failed row must not lose the others
                 row = {"error": f"{type(e).__name__}: {e}"}
             row["workload"] = workload
@@ -128,10 +134,7 @@ def run(ns: argparse.Namespace) -> int:
                    "dtype": engine_args["dtype"] if engine_args["dtype"] != "auto" else dtype}
         rows.append({"row": name, "note": NOTES[name], **row})
         _print_row(rows[-1])
-    hf = next((r for r in rows if r["row"] == "hf" and "output_tokens_per_s" in r), None)
-    for r in rows:
-        if hf and "output_tokens_per_s" in r:
-            r["speedup_vs_hf"] = r["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    add_speedups(rows)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": dev["kind"], "platform": dev["platform"],
         "jax": dev["jax"], "python": platform.python_version(), "command": " ".join(sys.argv),
@@ -146,6 +149,22 @@ def run(ns: argparse.Namespace) -> int:
     if plot(result, out_png):
         print(f"ablation: wrote {out_png}")
     return 0
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup_vs_hf against the first HF row; speedup_vs_hf_same_dtype against the HF row of the row's dtype."""
+    done = [r for r in rows if "output_tokens_per_s" in r]
+    hf = next((r for r in done if r["row"] == "hf"), None)
+    hf_by_dtype = {}
+    for r in done:
+        if r["row"] in ("hf", "hf-fp32"):
+            hf_by_dtype.setdefault(r.get("dtype"), r)
+    for r in done:
+        if hf:
+            r["speedup_vs_hf"] = r["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        same = hf_by_dtype.get(r.get("dtype"))
+        if same and r["row"] not in ("hf", "hf-fp32"):
+            r["speedup_vs_hf_same_dtype"] = r["output_tokens_per_s"] / same["output_tokens_per_s"]
 
 
 def _reusable(path: str, workload: dict, engine_args: dict) -> dict:
@@ -175,11 +194,13 @@ def _workload_text(w: dict) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| row | output tok/s | speed-up vs HF | workload | what it changes |", "|---|---:|---:|---|---|"]
+    lines = ["| row | output tok/s | speed-up vs HF | vs HF, same dtype | workload | what it changes |",
+             "|---|---:|---:|---:|---|---|"]
     for r in rows:
         tps = f"{r['output_tokens_per_s']:.1f}" if "output_tokens_per_s" in r else f"failed: {r.get('error')}"
         speedup = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else "–"
-        lines.append(f"| {r['row']} | {tps} | {speedup} | {_workload_text(r['workload'])} | {r['note']} |")
+        same = f"{r['speedup_vs_hf_same_dtype']:.2f}x" if "speedup_vs_hf_same_dtype" in r else "–"
+        lines.append(f"| {r['row']} | {tps} | {speedup} | {same} | {_workload_text(r['workload'])} | {r['note']} |")
     return "\n".join(lines)
 
 
@@ -194,7 +215,7 @@ def plot(result: dict, path: str) -> bool:
     use_speedup = all("speedup_vs_hf" in r for r in rows)
     values = [r["speedup_vs_hf"] if use_speedup else r["output_tokens_per_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows) + 2), 4))
-    bars = ax.bar(range(len(rows)), values, color=["#999999" if r["row"] == "hf" else "#3b75af" for r in rows])
+    bars = ax.bar(range(len(rows)), values, color=["#999999" if r["row"].startswith("hf") else "#3b75af" for r in rows])
     for bar, r in zip(bars, rows):
         label = f"{r['output_tokens_per_s']:.0f} tok/s" + ("*" if r["workload"] != result["workload"] else "")
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)

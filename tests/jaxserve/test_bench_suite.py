@@ -83,6 +83,19 @@ def test_no_chunked_prefill_row_raises_a_small_step_budget():
     assert (work["input_len"], work["output_len"]) == (64, 32)
 
 
+def test_fp32_rows_compare_with_hf_in_float32():
+    rows = [{"row": "hf", "dtype": "bfloat16", "output_tokens_per_s": 100.0},
+            {"row": "hf-fp32", "dtype": "float32", "output_tokens_per_s": 40.0},
+            {"row": "fp32", "dtype": "float32", "output_tokens_per_s": 80.0},
+            {"row": "default", "dtype": "bfloat16", "output_tokens_per_s": 500.0},
+            {"row": "eager", "error": "timed out"}]
+    ablation.add_speedups(rows)
+    assert rows[2]["speedup_vs_hf"] == 0.8 and rows[2]["speedup_vs_hf_same_dtype"] == 2.0
+    assert rows[3]["speedup_vs_hf"] == rows[3]["speedup_vs_hf_same_dtype"] == 5.0
+    assert "speedup_vs_hf_same_dtype" not in rows[1] and "speedup_vs_hf" not in rows[4]
+    assert ablation.parse_rows("hf-fp32,hf") == ["hf", "hf-fp32"]
+
+
 def _run(argv):
     ns = build_parser().parse_args(argv)
     assert ns.func(ns) == 0

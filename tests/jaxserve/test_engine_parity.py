@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from engine_fixtures import checkpoint, small_engine_kwargs
@@ -92,4 +93,8 @@ def test_no_chunked_prefill_and_eager_mode_agree():
     llm = LLM(path, **small_engine_kwargs(enable_chunked_prefill=False, max_num_batched_tokens=128))
     assert _generate(llm, prompts, 6) == want
     eager = LLM(path, **small_engine_kwargs(enforce_eager=True))
+    before = jax.tree.leaves(eager.llm_engine.runner.kv_caches)
     assert _generate(eager, prompts, 6) == want
+    # Eager attention takes each layer's pages as donated buffers: the KV write reuses them instead of
+    # copying the layer while the runner still holds the old pages (the cache twice over, by a step's end).
+    assert all(a.is_deleted() for a in before)
