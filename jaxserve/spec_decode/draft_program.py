@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model_runner import compile_in_parallel, unpack_inputs
+from jaxserve.step_program import compile_in_parallel, unpack_inputs
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import argmax
 
@@ -146,12 +146,12 @@ class RoundPrograms:
     def _args(self, shape: tuple[int, int], x=None) -> tuple:
         """The arguments after ``_lead``: the packed batch ``x``, or a padding-only one of ``shape``."""
         from jaxserve import buckets
-        from jaxserve.model_runner import _dummy_inputs, pack_inputs
+        from jaxserve.step_program import dummy_inputs, pack_inputs
 
         if x is None:
             r = self.runner
             t, b = shape
-            x = _dummy_inputs(t, buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs), b,
+            x = dummy_inputs(t, buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs), b,
                               r.num_blocks * r.block_size)
         return pack_inputs(x)
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model_runner import unpack_inputs
+from jaxserve.step_program import unpack_inputs
 from jaxserve.request import Request
 from jaxserve.spec_decode.draft_model import _seq
 from jaxserve.spec_decode.draft_program import RoundPrograms, decode_metadata, round_inputs, unrolled

@@ -18,21 +18,14 @@ import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxserve import buckets
 from jaxserve.batch_builder import build_step_inputs
 from jaxserve.kv_scale_calibration import with_kv_scales
-from jaxserve.model_runner import (
-    ModelRunner,
-    _dummy_inputs,
-    compile_in_parallel,
-    pack_inputs,
-    run_model,
-    unpack_inputs,
-)
+from jaxserve.model_runner import ModelRunner
+from jaxserve.step_program import compile_in_parallel, dummy_inputs, pack_inputs, run_model, unpack_inputs
 from jaxserve.sampler import _with_logprobs
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -164,7 +157,7 @@ class VerifyRunner:
         lowered = {}
         for t, b, n in self.startup_shapes():
             s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
-            x = _dummy_inputs(t, s, b, r.num_blocks * r.block_size)
+            x = dummy_inputs(t, s, b, r.num_blocks * r.block_size)
             rows = np.zeros((4, n), np.int32)
             rows[1], rows[2] = -1, s
             args = (*pack_inputs(x), rows, np.zeros(s, np.int32), r._kv_scales_arr)
