@@ -103,9 +103,10 @@ def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
 
 
 def unpack_inputs(
-    tok: jax.Array, seq: jax.Array, decode_only: bool = False
+    tok: jax.Array, seq: jax.Array, decode_only: bool = False, decode_query_len: int = 1
 ) -> tuple[jax.Array, jax.Array, AttentionMetadata]:
-    """The inverse of pack_inputs, inside the step: (input_ids [T], prev_index [T], AttentionMetadata)."""
+    """The inverse of pack_inputs, inside the step: (input_ids [T], prev_index [T], AttentionMetadata).
+    ``decode_only`` / ``decode_query_len``: the program's static promise about its steps (AttentionMetadata)."""
     md = AttentionMetadata(
         positions=tok[2],
         slot_mapping=tok[3],
@@ -115,6 +116,7 @@ def unpack_inputs(
         block_tables=seq[:, 3:],
         logits_indices=seq[:, 2],
         decode_only=decode_only,
+        decode_query_len=decode_query_len,
     )
     return tok[0], tok[1], md
 

@@ -30,9 +30,11 @@ class AttentionMetadata:
     seq_lens: jax.Array  # [S] int32: context length of each sequence including this step's tokens
     block_tables: jax.Array  # [S, max_blocks] int32: physical block ids of each sequence's pages
     logits_indices: jax.Array  # [S] int32: flat index of each sequence's last token this step
-    # Static: every sequence has at most one new token (a pure decode step). A kernel may then skip its
-    # prefill path: the GPU backend launches no prefill kernel (an empty one cost ~5 µs per layer).
+    # Static: every sequence has at most ``decode_query_len`` new tokens (a pure decode step, or with 1 + k a pure
+    # speculative verify step). A kernel may then skip its prefill path: the GPU backend launches no prefill
+    # kernel (an empty one cost ~5 µs per layer) and its decode kernel takes the 1 + k tokens of a sequence.
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    decode_query_len: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def num_tokens(self) -> int:

@@ -195,6 +195,8 @@ def ragged_attention_gpu(
     g = h // kh
     gp = tc.next_pow2(g)  # Triton tiles need power-of-two sizes
     q_per_seq = max(1, 16 // gp)  # decode rows = q_per_seq * gp >= 16, the smallest MMA tile
+    if md.decode_only:  # a pure verify step: the decode kernel takes each sequence's 1 + k tokens
+        q_per_seq = max(q_per_seq, tc.next_pow2(md.decode_query_len))
     block_q = max(1, cfg.prefill_rows // gp)
     use_mosaic = _use_mosaic_prefill(cfg, q, page_size, sliding_window, interpret, k_pages.dtype)
     # [T + pad, K, Gp, D]: the query heads of a KV head side by side. The Triton prefill kernel's tiles need

@@ -99,12 +99,13 @@ def ragged_paged_attention_xla(
         return jax.lax.dynamic_update_slice_in_dim(out_last, o / jnp.maximum(l, 1e-30)[..., None], rows, 0)
 
     zeros_last = jnp.zeros((s, kh, g, d), f32)
-    if md.decode_only and ch == s:  # one chunk: no loop (XLA:CPU pays for a while loop per layer)
+    one_token = md.decode_only and md.decode_query_len == 1  # every token is its sequence's last
+    if one_token and ch == s:  # one chunk: no loop (XLA:CPU pays for a while loop per layer)
         out_last = last_tokens(0, zeros_last)  # [S, K, G, D]
     else:
         num_chunks = ((md.seq_lens > 0).sum() + ch - 1) // ch  # real sequences come first
         out_last = jax.lax.fori_loop(0, num_chunks, last_tokens, zeros_last)  # [S, K, G, D]
-    if md.decode_only:
+    if one_token:
         # Every token is its sequence's only new one, hence its last: route 1 is the whole answer.
         out = jnp.where(real_tok[:, None, None, None], out_last[seq_of], 0.0)
         return out.reshape(t, h, d).astype(q.dtype)

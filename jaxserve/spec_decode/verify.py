@@ -36,15 +36,17 @@ logger = logging.getLogger("jaxserve")
 
 
 def _verify(
-    graphdef, treedef, k, forced, aux_layers, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec,
+    graphdef, treedef, k, forced, aux_layers, pure, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec,
     kv_scales=None,
 ):
     """(params, cache, packed batch, spec_rows [4, R], num_spec [S], the runner's traced fp8 scales or None) ->
     (logits [R, V] f32, greedy tokens [S, K+1], greedy num_emitted [S], new cache).
 
     The greedy acceptance is computed here, inside the model's program: an all-greedy batch (the common case)
-    then needs no second program. Sampled rows and logprobs take ``_accept`` over the logits."""
-    input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields)
+    then needs no second program. Sampled rows and logprobs take ``_accept`` over the logits.
+    ``pure`` (static): the program of steps where no sequence has more than 1 + k tokens (no prompt chunk), whose
+    attention may then take the decode path alone (AttentionMetadata.decode_query_len)."""
+    input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields, pure, k + 1 if pure else 1)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     if kv_scales is not None:  # calculate_kv_scales (jaxserve/kv_scale_calibration.py)
         with_kv_scales(model, kv_scales)
@@ -81,11 +83,18 @@ class VerifyRunner:
         verify = functools.partial(
             _verify, runner.graphdef, runner._treedef, k, forced_acceptance_length, runner.aux_layers
         )
-        self._step = jax.jit(verify, donate_argnums=1)
+        # Two programs per shape: steps with prompt chunks in them, and pure verify steps (no sequence has more
+        # than 1 + k tokens), whose attention skips the prefill path as a pure decode step's does.
+        self._steps = {pure: jax.jit(functools.partial(verify, pure), donate_argnums=1) for pure in (False, True)}
         self._accept = jax.jit(functools.partial(_accept, k, forced_acceptance_length))
-        self._programs: dict[tuple[int, int, int], object] = {}  # (T, B, R) -> compiled verify step
+        self._programs: dict[tuple[int, int, int, bool], object] = {}  # (T, B, R, pure) -> compiled verify step
         self.num_lazy_compiles = 0
         self._min_tokens = buckets.pick(runner.token_buckets, min(k + 1, runner.token_buckets[-1]))
+        # The largest bucket a pure verify step fills (every sequence 1 + k tokens); larger ones use the general
+        # program, so that the pure variants add few compiled shapes (the runner's decode variants do the same).
+        self._most_pure = buckets.pick(
+            runner.token_buckets, min(runner.scheduler_config.max_num_seqs * (k + 1), runner.token_buckets[-1])
+        )
 
     def dispatch(self, sched: SchedulerOutput):
         """Launch the step; without any proposal in it, the runner's own step (its output has one token a row)."""
@@ -93,6 +102,7 @@ class VerifyRunner:
             return self.runner.dispatch(sched)
         r = self.runner
         t, s, b = r._shapes_for(sched)[:3]  # a verify step is never decode-only (main's 4th value)
+        pure = all(len(seq.token_ids) <= self.k + 1 for seq in sched.seqs) and t <= self._most_pure
         if t < self._min_tokens:  # proposals cut short (max_tokens): pad to the full program's bucket (CPU only)
             t = self._min_tokens
             s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
@@ -118,11 +128,13 @@ class VerifyRunner:
             num_spec[i] = n
         md = _rows_metadata(SamplingMetadata.from_seqs(sched.seqs, s, r._history_len(sched)), counts, num_rows)
         args = (*pack_inputs(x), spec_rows, num_spec, r._kv_scales_arr)
-        program = self._programs.get((t, b, num_rows))
+        key = (t, b, num_rows, pure)
+        program = self._programs.get(key)
         if program is None:
-            logger.info("compiling verify step tokens=%d ctx=%d rows=%d on first use", t, b * r.block_size, num_rows)
+            logger.info("compiling verify step tokens=%d ctx=%d rows=%d pure=%s on first use", t, b * r.block_size,
+                        num_rows, pure)
             self.num_lazy_compiles += 1
-            program = self._programs[(t, b, num_rows)] = self._step.lower(r.params, r.kv_caches, *args).compile()
+            program = self._programs[key] = self._steps[pure].lower(r.params, r.kv_caches, *args).compile()
         logits, tokens, num_emitted, r.kv_caches = program(r.params, r.kv_caches, *args)
         lp = None
         if not md.plain_greedy:
@@ -138,30 +150,31 @@ class VerifyRunner:
         s = buckets.seq_bucket_for(t, self.runner.scheduler_config.max_num_seqs)
         return _row_bucket(min(t, s * (self.k + 1)))
 
-    def startup_shapes(self) -> list[tuple[int, int, int]]:
-        """(T, B, R) to compile at start-up: the runner's start-up (T, B) with room for a proposal ("all", the
-        accelerators' default); "common" (CPU, where each compile costs seconds): the single stream's steady
-        state only, one sequence of 1 + k tokens at the shortest context. Others compile on first use."""
+    def startup_shapes(self) -> list[tuple[int, int, int, bool]]:
+        """(T, B, R, pure) to compile at start-up: the runner's start-up (T, B) with room for a proposal, each also
+        as a pure verify step up to the largest bucket one fills ("all", the accelerators' default); "common"
+        (CPU, where each compile costs seconds): the single stream's steady state only, one sequence of 1 + k
+        tokens at the shortest context, a pure verify step. Others compile on first use."""
         r = self.runner
         policy = r.runner_config.precompile
         if policy == "common":
-            shapes = [(self._min_tokens, r.width_buckets[0])]
-        else:
-            shapes = [(t, b) for t, b in buckets.startup_shapes(r.token_buckets, r.width_buckets, policy) if t >= 2]
-        return [(t, b, self.rows_for(t)) for t, b in shapes]
+            return [(self._min_tokens, r.width_buckets[0], self.rows_for(self._min_tokens), True)]
+        shapes = [(t, b) for t, b in buckets.startup_shapes(r.token_buckets, r.width_buckets, policy) if t >= 2]
+        return [(t, b, self.rows_for(t), pure) for t, b in shapes for pure in (False, True)
+                if not pure or t <= self._most_pure]
 
     def warmup(self) -> float:
         """Compile the start-up verify steps side by side (XLA compiles without the GIL); returns seconds. The
         sampled-acceptance programs (small) compile on first use."""
         start, r = time.perf_counter(), self.runner
         lowered = {}
-        for t, b, n in self.startup_shapes():
+        for t, b, n, pure in self.startup_shapes():
             s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
             x = dummy_inputs(t, s, b, r.num_blocks * r.block_size)
             rows = np.zeros((4, n), np.int32)
             rows[1], rows[2] = -1, s
             args = (*pack_inputs(x), rows, np.zeros(s, np.int32), r._kv_scales_arr)
-            lowered[(t, b, n)] = self._step.lower(r.params, r.kv_caches, *args)
+            lowered[(t, b, n, pure)] = self._steps[pure].lower(r.params, r.kv_caches, *args)
         self._programs.update(compile_in_parallel(lowered))
         return time.perf_counter() - start
 
