@@ -90,10 +90,10 @@ class VerifyRunner:
         self._programs: dict[tuple[int, int, int, bool], object] = {}  # (T, B, R, pure) -> compiled verify step
         self.num_lazy_compiles = 0
         self._min_tokens = buckets.pick(runner.token_buckets, min(k + 1, runner.token_buckets[-1]))
-        # The largest bucket a pure verify step fills (every sequence 1 + k tokens); larger ones use the general
-        # program, so that the pure variants add few compiled shapes (the runner's decode variants do the same).
+        # Pure verify programs up to the bucket max_num_seqs tokens fill, as the runner's decode variants: speculation
+        # pays at low concurrency, and larger pure steps take the general program (correct, a prefill launch more).
         self._most_pure = buckets.pick(
-            runner.token_buckets, min(runner.scheduler_config.max_num_seqs * (k + 1), runner.token_buckets[-1])
+            runner.token_buckets, min(runner.scheduler_config.max_num_seqs, runner.token_buckets[-1])
         )
 
     def dispatch(self, sched: SchedulerOutput):
