@@ -92,16 +92,16 @@ class VerifyRunner:
         self._min_tokens = buckets.pick(runner.token_buckets, min(k + 1, runner.token_buckets[-1]))
         # Pure verify programs up to the bucket max_num_seqs tokens fill, as the runner's decode variants: speculation
         # pays at low concurrency, and larger pure steps take the general program (correct, a prefill launch more).
-        self._most_pure = buckets.pick(
+        self._most_pure = max(self._min_tokens, buckets.pick(
             runner.token_buckets, min(runner.scheduler_config.max_num_seqs, runner.token_buckets[-1])
-        )
+        ))
 
     def dispatch(self, sched: SchedulerOutput):
         """Launch the step; without any proposal in it, the runner's own step (its output has one token a row)."""
         if not any(seq.num_spec_tokens for seq in sched.seqs):
             return self.runner.dispatch(sched)
         r = self.runner
-        t, s, b = r._shapes_for(sched)[:3]  # a verify step is never decode-only (main's 4th value)
+        t, s, b = r._shapes_for(sched)[:3]  # not the runner's decode-only flag: a verify step has its own, `pure`
         pure = all(len(seq.token_ids) <= self.k + 1 for seq in sched.seqs) and t <= self._most_pure
         if t < self._min_tokens:  # proposals cut short (max_tokens): pad to the full program's bucket (CPU only)
             t = self._min_tokens
