@@ -236,8 +236,9 @@ def _speculator(args: EngineArgs, runner: Any, text_config: Any, platform: str, 
     speculator = Speculator(config, runner, draft)
     if not args.enforce_eager:
         seconds = speculator.verifier.warmup()
-        logger.info("speculative decoding (%s, k=%d): %d verify step shapes compiled in %.1fs", config.method,
-                    config.num_speculative_tokens, len(speculator.verifier.startup_shapes()), seconds)
+        logger.info("speculative decoding (%s, k=%d): %d verify step shapes ready in %.1fs (%d loaded from the "
+                    "executable store)", config.method, config.num_speculative_tokens,
+                    len(speculator.verifier.startup_shapes()), seconds, speculator.verifier.num_loaded_programs)
     return speculator
 
 

@@ -80,6 +80,8 @@ class VerifyRunner:
     def __init__(self, runner: ModelRunner, k: int, forced_acceptance_length: int | None = None) -> None:
         self.runner = runner
         self.k = k
+        self.forced = forced_acceptance_length
+        self.num_loaded_programs = 0  # verify programs the last warmup loaded from the executable store
         verify = functools.partial(
             _verify, runner.graphdef, runner._treedef, k, forced_acceptance_length, runner.aux_layers
         )
@@ -164,19 +166,40 @@ class VerifyRunner:
                 if not pure or t <= self._most_pure]
 
     def warmup(self) -> float:
-        """Compile the start-up verify steps side by side (XLA compiles without the GIL); returns seconds. The
-        sampled-acceptance programs (small) compile on first use."""
+        """Compile the start-up verify steps side by side (XLA compiles without the GIL); returns seconds. A
+        program stored by an earlier start (accelerators: jaxserve.executable_store, the runner's store) is loaded
+        instead of traced, and each one compiled here is stored. The sampled-acceptance programs (small) compile
+        on first use."""
         start, r = time.perf_counter(), self.runner
+        store = r._executable_store()
+        devices = list(r.mesh.devices.flat)
         lowered = {}
-        for t, b, n, pure in self.startup_shapes():
+        for shape in self.startup_shapes():
+            program = store.load(self._store_name(shape), devices) if store is not None else None
+            if program is not None:
+                self._programs[shape] = program
+                continue
+            t, b, n, pure = shape
             s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
             x = dummy_inputs(t, s, b, r.num_blocks * r.block_size)
             rows = np.zeros((4, n), np.int32)
             rows[1], rows[2] = -1, s
             args = (*pack_inputs(x), rows, np.zeros(s, np.int32), r._kv_scales_arr)
-            lowered[(t, b, n, pure)] = self._steps[pure].lower(r.params, r.kv_caches, *args)
-        self._programs.update(compile_in_parallel(lowered))
+            lowered[shape] = self._steps[pure].lower(r.params, r.kv_caches, *args)
+        compiled = compile_in_parallel(lowered)
+        self._programs.update(compiled)
+        if store is not None:
+            for shape, program in compiled.items():
+                store.save(self._store_name(shape), program)
+        self.num_loaded_programs = store.hits if store is not None else 0
         return time.perf_counter() - start
+
+    def _store_name(self, shape: tuple[int, int, int, bool]) -> str:
+        """A verify program's name in the runner's store: the runner's context keys the model, cache and mesh; the
+        name adds what only the verify step has (k, a forced acceptance length, the shape and the pure flag)."""
+        t, b, n, pure = shape
+        forced = "" if self.forced is None else f"-a{self.forced}"
+        return f"verify-k{self.k}{forced}-t{t}-b{b}-r{n}" + ("-pure" if pure else "")
 
     def fetch(self, handle) -> ModelRunnerOutput:
         """Read a step back: ``emitted_token_ids`` per row (a plain step's one token becomes a list of one)."""

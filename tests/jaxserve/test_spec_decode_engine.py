@@ -163,3 +163,32 @@ def test_default_model_ngram_greedy_is_exact():
     engine.speculator = saved
     assert spec_out.token_ids == plain.token_ids and spec_out.text == plain.text
     assert saved.stats.mean_acceptance_length > 1.5, saved.stats.summary()
+
+
+def test_verify_programs_are_stored_and_loaded(llm, tmp_path, monkeypatch):
+    """A second start loads the verify programs an earlier one compiled (the runner's executable store, which on
+    accelerators persists between starts; opened here on CPU too), and they give the same tokens."""
+    import dataclasses
+
+    from jaxserve import executable_store
+    from jaxserve.spec_decode.verify import VerifyRunner
+
+    monkeypatch.setattr(executable_store.ExecutableStore, "open",
+                        classmethod(lambda cls, cache_dir, platform, context: cls(str(tmp_path), context)))
+    engine = llm.llm_engine
+    runner, spec_ = engine.runner, engine.speculator
+    saved_config, saved_verifier = runner.runner_config, spec_.verifier
+    runner.runner_config = dataclasses.replace(saved_config, precompile="common")  # one shape: the single stream's
+    try:
+        cold = VerifyRunner(runner, K)
+        cold.warmup()
+        warm = VerifyRunner(runner, K)
+        warm.warmup()
+        assert cold.num_loaded_programs == 0 and warm.num_loaded_programs == len(warm.startup_shapes()) == 1
+        assert len(list(tmp_path.glob("verify-k3-*-pure-*.jxe"))) == 1
+        spec_.verifier = warm
+        prompts, params = _prompts_and_params(llm)
+        _check_same(llm, prompts[:1], params[:1])
+        assert warm.num_lazy_compiles == 0  # the single stream ran the loaded program only
+    finally:
+        runner.runner_config, spec_.verifier = saved_config, saved_verifier
