@@ -149,12 +149,14 @@ def test_dp_batch_equals_one_engine_and_abort_mid_flight():
         engine.add_request(f"m{i}", {"prompt_token_ids": p}, long)
     assert engine.replica_load(1)[0] == 2  # m1 runs on replica 1
     seen: dict[str, int] = {}
+    finished = {}  # from the start: on a loaded machine replica 0 may finish its requests before m1 has 2 tokens
     while seen.get("m1", 0) < 2:  # until m1 has 2 tokens
-        seen.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+        outs = engine.step()
+        seen.update({o.request_id: len(o.outputs[0].token_ids) for o in outs})
+        finished.update({o.request_id: o for o in outs if o.finished})
     (aborted,) = engine.abort_request("m1")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert aborted.prompt_token_ids == prompts[1] and 2 <= len(aborted.outputs[0].token_ids) < 40
-    finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(finished) == ["m0", "m2", "m3"]
