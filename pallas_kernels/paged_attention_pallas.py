@@ -183,6 +183,7 @@ def ragged_attention_gpu(
     precision: jax.lax.Precision | None = None,
     interpret: bool = False,
     config: GpuKernelConfig | None = None,
+    v_token_minor: bool = False,  # v_pages is [N, K, D, P] (kv_layout.py)
 ) -> jax.Array:  # [T, H, D]
     """Attention only (no KV write), same semantics as ``ragged_paged_attention_reference``."""
     cfg = config or GpuKernelConfig()
@@ -223,6 +224,7 @@ def ragged_attention_gpu(
         heads_inner=cfg.decode_heads_inner, precision=precision, interpret=interpret,
         compute_dtype=_fp8_decode_compute(cfg, q.dtype, k_pages.dtype),
         mask_tail_only=fp8.is_fp8(k_pages.dtype) if cfg.decode_mask_tail_only is None else cfg.decode_mask_tail_only,
+        v_token_minor=v_token_minor,
     )  # fmt: skip
     max_prefill_seqs = t // (q_per_seq + 1)  # a prefill sequence has more than q_per_seq tokens
     seq = md.token_seq_ids  # [T]
