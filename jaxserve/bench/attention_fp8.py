@@ -14,6 +14,8 @@ Kernel variants: each ``--fp8-decode-compute`` value runs over each fp8 format (
 of that name; the bf16 cache row uses the defaults). Each ``--variant NAME=key=val,...`` overrides other
 ``GpuKernelConfig`` fields (ints and true/false parsed) and runs over every format, bf16 included, crossed
 with the fp8_decode_compute values for the fp8 ones. Speedups are against the default bf16 row of the case.
+One more key, ``fp8_v_token_minor=true``, times the fp8 caches with V pages token-minor ``[N, K, D, P]``
+(pallas_kernels/kv_layout.py; the bf16 row of such a variant stays token-major, as the engine would keep it).
 A table prints as rows finish; a JSON list of all rows prints at the end (and goes to ``--out``).
 """
 
@@ -30,24 +32,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.bench.attention import D, H, K, P, rel_err, time_fn
-from jaxserve.pallas_kernels import fp8
+from jaxserve.pallas_kernels import fp8, kv_layout
 from jaxserve.pallas_kernels.paged_attention_pallas import FP8_DECODE_COMPUTE, GpuKernelConfig, ragged_attention_gpu
 from jaxserve.pallas_kernels.random_batch import make_batch
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
 
 
-def _attention(q, k, v, md, *, k_scale, v_scale, interpret, config=None):
+def _attention(q, k, v, md, *, k_scale, v_scale, interpret, config=None, v_token_minor=False):
     """The pallas backend's read path over any cache (fp8: scales folded into q and the output)."""
     if fp8.is_fp8(k.dtype):
         q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
-    out = ragged_attention_gpu(q, k, v, md, scale=D**-0.5, interpret=interpret, config=config)
+    out = ragged_attention_gpu(q, k, v, md, scale=D**-0.5, interpret=interpret, config=config, v_token_minor=v_token_minor)
     return (out.astype(jnp.float32) * v_scale).astype(out.dtype) if fp8.is_fp8(k.dtype) else out
 
 
+# A --variant key that is not a GpuKernelConfig field: the fp8 cache's V pages token-minor (kv_layout.py).
+V_LAYOUT_KEY = "fp8_v_token_minor"
+
+
 def _parse_variant(text: str) -> tuple[str, dict]:
-    """``NAME=key=val,key=val`` -> (NAME, {key: val}) with GpuKernelConfig field names checked."""
+    """``NAME=key=val,key=val`` -> (NAME, {key: val}) with GpuKernelConfig field names (or V_LAYOUT_KEY) checked."""
     name, _, body = text.partition("=")
-    fields = {f.name for f in dataclasses.fields(GpuKernelConfig)}
+    fields = {f.name for f in dataclasses.fields(GpuKernelConfig)} | {V_LAYOUT_KEY}
     over = {}
     for item in filter(None, body.split(",")):
         key, sep, val = item.partition("=")
@@ -58,12 +64,15 @@ def _parse_variant(text: str) -> tuple[str, dict]:
 
 
 def _configs(name: str, computes: list[str], variants: list[tuple[str, dict]]):
-    """(label, fp8_decode_compute or "-", GpuKernelConfig) for one cache format: defaults first."""
+    """(label, fp8_decode_compute or "-", GpuKernelConfig, V token-minor) for one cache format: defaults first.
+    The V layout follows kv_layout's rule: token-minor only over an fp8 cache."""
     fmt_computes = computes if name != "auto" else [None]
     for vname, over in [("default", {})] + variants:
+        over = dict(over)
+        v_minor = bool(over.pop(V_LAYOUT_KEY, False)) and name != "auto"
         for comp in fmt_computes:
             kw = dict(over, **({"fp8_decode_compute": comp} if comp else {}))
-            yield vname, comp or "-", GpuKernelConfig(**kw)
+            yield vname, comp or "-", GpuKernelConfig(**kw), v_minor
 
 
 def run_case(
@@ -81,16 +90,20 @@ def run_case(
         k, v = fp8.quantize(batch.k_pages, 1.0, dtype), fp8.quantize(batch.v_pages, 1.0, dtype)
         with jax.default_matmul_precision("highest"):
             ref = ragged_paged_attention_reference(batch.q, k, v, batch.md, scale=D**-0.5)
-        for vname, comp, cfg in _configs(name, list(computes), list(variants)):
+        v_minor_pages = None
+        for vname, comp, cfg, v_minor in _configs(name, list(computes), list(variants)):
             fn = jax.jit(
-                lambda q, k, v, md, cfg=cfg: _attention(
-                    q, k, v, md, k_scale=1.0, v_scale=1.0, interpret=quick, config=cfg
+                lambda q, k, v, md, cfg=cfg, v_minor=v_minor: _attention(
+                    q, k, v, md, k_scale=1.0, v_scale=1.0, interpret=quick, config=cfg, v_token_minor=v_minor
                 )
             )  # fmt: skip
+            if v_minor and v_minor_pages is None:
+                v_minor_pages = jax.block_until_ready(kv_layout.to_token_minor(v))  # [N, K, D, P], made once
+            v_in = v_minor_pages if v_minor else v
             row = {"case": f"B={num_seqs} ctx={ctx}", "kv_cache_dtype": name, "variant": vname, "fp8_decode_compute": comp}
             try:  # a variant Triton cannot compile is a row with its error, not the end of the run
-                row["rel_err"] = float(rel_err(fn(batch.q, k, v, batch.md), ref))
-                sec = time_fn(fn, batch.q, k, v, batch.md, reps=50, rounds=7)
+                row["rel_err"] = float(rel_err(fn(batch.q, k, v_in, batch.md), ref))
+                sec = time_fn(fn, batch.q, k, v_in, batch.md, reps=50, rounds=7)
             except Exception as e:  # noqa: BLE001
                 row.update(us=None, kv_tbps=None, speedup_vs_bf16=None, error=f"{type(e).__name__}: {e}"[:400])
             else:
@@ -100,7 +113,7 @@ def run_case(
             rows.append(row)
             if print_row:
                 print_row(row)
-        del k, v
+        del k, v, v_minor_pages
     return rows
 
 

@@ -17,7 +17,6 @@ from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig, page
 from jaxserve.pallas_kernels.random_batch import make_batch
 from jaxserve.pallas_kernels.reference import write_kv
 
-FORMATS = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 INTERPRET = jax.default_backend() == "cpu"
 
 
@@ -25,8 +24,10 @@ def _f32(x):
     return np.asarray(x, np.float32)
 
 
-@pytest.mark.parametrize("kv_write_impl", ["pallas", "xla"])
-@pytest.mark.parametrize("dtype", FORMATS)
+# The XLA scatter (kv_write="xla") is the fallback write for shapes the Pallas one does not take.
+@pytest.mark.parametrize(
+    "dtype,kv_write_impl", [(jnp.float8_e4m3fn, "pallas"), (jnp.float8_e5m2, "pallas"), (jnp.float8_e5m2, "xla")]
+)
 def test_pallas_backend_token_minor_v_agrees(dtype, kv_write_impl):
     """A mixed batch (decodes and a prefill chunk past one tile): the token-minor backend writes the same
     bytes (transposed), equals the token-major backend exactly and the reference within bf16's tolerance."""
@@ -102,3 +103,28 @@ def test_switch_applies_to_fp8_pallas_only(monkeypatch):
     assert kv_layout.v_pages_shape(5, 16, 2, 64, True) == (5, 2, 64, 16)
     monkeypatch.setattr(kv_layout, "FP8_V_TOKEN_MINOR", False)
     assert not kv_layout.v_token_minor(jnp.float8_e4m3fn, "pallas", "gpu")
+
+
+def test_engine_greedy_tokens_equal_with_switch_on(monkeypatch):
+    """A tiny random Llama over an e4m3 cache, pallas backend interpreted: the switch changes the V pages'
+    layout and nothing of the tokens (prefill chunks, decodes, the KV write between them)."""
+    from engine_fixtures import checkpoint, small_engine_kwargs
+
+    from jaxserve import LLM, SamplingParams
+
+    path = checkpoint("llama_gqa")
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(2, 500, size=n).tolist()} for n in (5, 40)]  # 40 > 32: a chunked prefill
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    kw = small_engine_kwargs(
+        max_num_batched_tokens=32, max_num_seqs=2, kv_cache_dtype="fp8_e4m3", attention_backend="pallas", precompile="none"
+    )  # fmt: skip
+    got = {}
+    for minor in (False, True):
+        monkeypatch.setattr(kv_layout, "FP8_V_TOKEN_MINOR", minor)
+        llm = LLM(path, **kw)
+        k_pages, v_pages = llm.llm_engine.runner.kv_caches[0]
+        n, p, kh, d = k_pages.shape
+        assert v_pages.shape == ((n, kh, d, p) if minor else (n, p, kh, d))
+        got[minor] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got[True] == got[False], got
