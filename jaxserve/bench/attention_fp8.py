@@ -113,21 +113,21 @@ def run_case(
                 ref = ragged_paged_attention_reference(batch.q, k, v, batch.md, scale=D**-0.5)
         v_minor_pages = None
         for vname, comp, cfg, v_minor in _configs(name, list(computes), list(variants)):
-            kw = dict(interpret=quick, config=cfg, v_token_minor=v_minor)
-            if prefill:
-                fn = jax.jit(functools.partial(_prefill, **kw))
-                args = lambda v_in: (batch.q, batch.k_new, batch.v_new, k, v_in, batch.md)  # noqa: E731
-            else:
-                fn = jax.jit(functools.partial(_attention, k_scale=1.0, v_scale=1.0, **kw))
-                args = lambda v_in: (batch.q, k, v_in, batch.md)  # noqa: E731
             if v_minor and v_minor_pages is None:
                 v_minor_pages = jax.block_until_ready(kv_layout.to_token_minor(v))  # [N, K, D, P], made once
             v_in = v_minor_pages if v_minor else v
+            kw = {"interpret": quick, "config": cfg, "v_token_minor": v_minor}
+            if prefill:
+                fn = jax.jit(functools.partial(_prefill, **kw))
+                args = (batch.q, batch.k_new, batch.v_new, k, v_in, batch.md)
+            else:
+                fn = jax.jit(functools.partial(_attention, k_scale=1.0, v_scale=1.0, **kw))
+                args = (batch.q, k, v_in, batch.md)
             label = f"{'prefill ' if prefill else ''}B={num_seqs} ctx={ctx}"
             row = {"case": label, "kv_cache_dtype": name, "variant": vname, "fp8_decode_compute": comp}
             try:  # a variant Triton cannot compile is a row with its error, not the end of the run
-                row["rel_err"] = float(rel_err(fn(*args(v_in)), ref))
-                sec = time_fn(fn, *args(v_in), reps=50, rounds=7)
+                row["rel_err"] = float(rel_err(fn(*args), ref))
+                sec = time_fn(fn, *args, reps=50, rounds=7)
             except Exception as e:  # noqa: BLE001
                 row.update(us=None, kv_tbps=None, speedup_vs_bf16=None, error=f"{type(e).__name__}: {e}"[:400])
             else:
@@ -137,7 +137,7 @@ def run_case(
             rows.append(row)
             if print_row:
                 print_row(row)
-        del k, v, v_minor_pages
+        del k, v, v_minor_pages, args
     return rows
 
 

@@ -3,7 +3,6 @@ on CPU, against the reference over the usual layout and against the same backend
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
