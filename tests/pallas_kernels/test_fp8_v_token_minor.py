@@ -106,7 +106,8 @@ def test_switch_applies_to_fp8_pallas_only(monkeypatch):
 
 def test_engine_greedy_tokens_equal_with_switch_on(monkeypatch):
     """A tiny random Llama over an e4m3 cache, pallas backend interpreted: the switch changes the V pages'
-    layout and nothing of the tokens (prefill chunks, decodes, the KV write between them)."""
+    layout and nothing of the tokens (prefill chunks, decodes, the KV write between them, and a second
+    request that reads the first one's blocks from the prefix cache)."""
     from engine_fixtures import checkpoint, small_engine_kwargs
 
     from jaxserve import LLM, SamplingParams
@@ -126,4 +127,8 @@ def test_engine_greedy_tokens_equal_with_switch_on(monkeypatch):
         n, p, kh, d = k_pages.shape
         assert v_pages.shape == ((n, kh, d, p) if minor else (n, p, kh, d))
         got[minor] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = {"prompt_token_ids": prompts[1]["prompt_token_ids"][:36] + [7, 9]}  # 36 tokens = 9 cached blocks
+        (out,) = llm.generate([again], params, use_tqdm=False)
+        assert out.num_cached_tokens >= 32
+        got[minor].append(out.outputs[0].token_ids)
     assert got[True] == got[False], got
