@@ -39,6 +39,7 @@ from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
+from jaxserve.pallas_kernels import kv_layout
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
 from jaxserve.pallas_kernels.fp8 import is_fp8, kv_cache_dtype_for
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
@@ -144,9 +145,15 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * block_bytes
         cache_shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         cache_sharding = sharding.logical_sharding(self.mesh, sharding.KV_CACHE_AXES, cache_shape)
+        # The pallas backend may keep an fp8 cache's V pages token-minor [N, K, D, P] (pallas_kernels/kv_layout.py):
+        # its kernels and KV write decide from the same switch and the cache's dtype.
+        self.v_token_minor = kv_layout.v_token_minor(self.kv_dtype, runner_config.attention_backend, runner_config.platform)
+        v_shape = kv_layout.v_pages_shape(*cache_shape, self.v_token_minor)
+        v_axes = sharding.V_CACHE_TOKEN_MINOR_AXES if self.v_token_minor else sharding.KV_CACHE_AXES
+        v_sharding = sharding.logical_sharding(self.mesh, v_axes, v_shape)
         self.kv_caches = allocate_kv_caches(
             cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_dtype,
-            sharding=cache_sharding,
+            sharding=cache_sharding, v_token_minor=self.v_token_minor, v_sharding=v_sharding,
         )
         param_shardings = [x.sharding for x in self.params]
         # LoRA: the slot arrays ride at the end of the step's parameter list (arguments, not constants: loading an
@@ -155,7 +162,7 @@ class ModelRunner:
         if self.lora is not None:
             param_shardings = param_shardings + self.lora.shardings
             lora_spec = (len(self.params), cfg.num_hidden_layers)
-        cache_shardings = [(cache_sharding, cache_sharding)] * cfg.num_hidden_layers
+        cache_shardings = [(cache_sharding, v_sharding)] * cfg.num_hidden_layers
         self.aux_layers = aux_hidden[0] if aux_hidden else ()
         if aux_hidden:
             store_shape = (self.num_blocks * self.block_size, aux_hidden[1])
@@ -456,6 +463,8 @@ class ModelRunner:
         }
         if self.lora_config is not None:  # only then, so that stores written without LoRA stay valid
             context["lora"] = repr(self.lora_config)  # the slot arrays' shapes follow from it; the token fields have 6 rows
+        if self.v_token_minor:  # the cache's V pages are [N, K, D, P] (absent: keys stay as before)
+            context["v_token_minor"] = True
         if self.aux_layers:  # EAGLE: the steps also write the hidden-state store (absent: keys stay as before)
             context["aux_layers"] = self.aux_layers
         return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)

@@ -58,6 +58,8 @@ LOGICAL_AXIS_RULES: dict[str, Optional[str]] = {
 }
 
 KV_CACHE_AXES = ("kv_blocks", "kv_block_slot", "kv_heads", "head_dim")  # [N, P, K, Dh]
+# Token-minor V pages of an fp8 cache (pallas_kernels/kv_layout.py): the heads axis moves, the split does not.
+V_CACHE_TOKEN_MINOR_AXES = ("kv_blocks", "kv_heads", "head_dim", "kv_block_slot")  # [N, K, Dh, P]
 LOGITS_AXES = ("batch", "logits_vocab")  # [S, V]
 Q_AXES = ("tokens", "q_heads", "head_dim")  # q and attention's output [T, H, Dh]
 KV_NEW_AXES = ("tokens", "kv_heads", "head_dim")  # this step's k and v [T, K, Dh]
@@ -155,17 +157,21 @@ def shard_attention(attention_fn: Callable, mesh: Mesh) -> Callable:
     runs the unchanged kernel on them; no collective is needed, because heads never attend across
     each other. The metadata is replicated.
     """
+    from jaxserve.pallas_kernels import kv_layout
+
     q_spec, kv_spec = logical_spec(Q_AXES), logical_spec(KV_NEW_AXES)
     pages_spec = logical_spec(KV_CACHE_AXES)
 
     def sharded(q, k_new, v_new, k_pages, v_pages, md, *, scale: float, sliding_window=None, precision=None, **fp8_kw):
         per_device = functools.partial(attention_fn, scale=scale, sliding_window=sliding_window, precision=precision)
         names = sorted(fp8_kw)  # k_scale, v_scale over an fp8 cache: replicated scalars, passed as arguments
+        # The kernel backends (pallas) keep an fp8 cache's V token-minor when kv_layout's switch is on.
+        v_spec = logical_spec(V_CACHE_TOKEN_MINOR_AXES) if kv_layout.v_token_minor(v_pages.dtype) else pages_spec
         return jax.shard_map(
             lambda *a: per_device(*a[:6], **dict(zip(names, a[6:]))),
             mesh=mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, pages_spec, pages_spec, PartitionSpec()) + (PartitionSpec(),) * len(names),
-            out_specs=(q_spec, pages_spec, pages_spec),
+            in_specs=(q_spec, kv_spec, kv_spec, pages_spec, v_spec, PartitionSpec()) + (PartitionSpec(),) * len(names),
+            out_specs=(q_spec, pages_spec, v_spec),
             check_vma=False,  # a Pallas call has no varying-axis typing rule
         )(q, k_new, v_new, k_pages, v_pages, md, *(jnp.asarray(fp8_kw[n], jnp.float32) for n in names))
 

@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels import fp8, kv_write, mosaic_prefill
+from jaxserve.pallas_kernels import fp8, kv_layout, kv_write, mosaic_prefill
 from jaxserve.pallas_kernels import triton_common as tc
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.reference import write_kv
@@ -119,7 +119,7 @@ def paged_attention_pallas(
     k_new: jax.Array,  # [T, K, D]
     v_new: jax.Array,  # [T, K, D]
     k_pages: jax.Array,  # [N, P, K, D]
-    v_pages: jax.Array,  # [N, P, K, D]
+    v_pages: jax.Array,  # [N, P, K, D], or [N, K, D, P] when token-minor (fp8_v_token_minor)
     md: AttentionMetadata,
     *,
     scale: float,
@@ -130,6 +130,8 @@ def paged_attention_pallas(
     config: GpuKernelConfig | None = None,
     k_scale=1.0,  # fp8 caches only (fp8.py); GPU kernels only (the TPU op reads no fp8 here yet)
     v_scale=1.0,
+    # An fp8 cache's V pages are token-minor, [N, K, D, P] (kv_layout.py); None: kv_layout's switch.
+    fp8_v_token_minor: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write this step's KV into its slots, then attend. Returns (out[T,H,D], k_pages, v_pages).
 
@@ -152,20 +154,22 @@ def paged_attention_pallas(
             q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, interpret=interpret
         )
     cfg = config or GpuKernelConfig()
+    v_minor = kv_layout.v_token_minor(v_pages.dtype, switch=fp8_v_token_minor)
     if cfg.kv_write not in ("pallas", "xla"):
         raise ValueError(f"kv_write={cfg.kv_write!r}: use 'pallas' or 'xla'")
     if cfg.kv_write == "pallas" and kv_write.supported(k_pages.shape[2], k_pages.shape[3]):
         k_pages, v_pages = kv_write.write_kv_pallas(
-            k_pages, v_pages, k_new, v_new, md.slot_mapping, interpret=interpret, k_scale=k_scale, v_scale=v_scale
-        )
+            k_pages, v_pages, k_new, v_new, md.slot_mapping, interpret=interpret, k_scale=k_scale, v_scale=v_scale,
+            v_token_minor=v_minor,
+        )  # fmt: skip
     else:
-        k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale, v_minor)
     if is_fp8:
         # One extra rounding of q in its own dtype (exact for the default scale 1.0): far below fp8's.
         q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
     out = ragged_attention_gpu(
         q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
-        interpret=interpret, config=config,
+        interpret=interpret, config=config, v_token_minor=v_minor,
     )  # fmt: skip
     if is_fp8:
         out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
@@ -175,7 +179,7 @@ def paged_attention_pallas(
 def ragged_attention_gpu(
     q: jax.Array,  # [T, H, D]
     k_pages: jax.Array,  # [N, P, K, D] (already holding this step's keys)
-    v_pages: jax.Array,  # [N, P, K, D]
+    v_pages: jax.Array,  # [N, P, K, D], or [N, K, D, P] with v_token_minor
     md: AttentionMetadata,
     *,
     scale: float,
@@ -183,6 +187,7 @@ def ragged_attention_gpu(
     precision: jax.lax.Precision | None = None,
     interpret: bool = False,
     config: GpuKernelConfig | None = None,
+    v_token_minor: bool = False,  # v_pages is [N, K, D, P] (kv_layout.py)
 ) -> jax.Array:  # [T, H, D]
     """Attention only (no KV write), same semantics as ``ragged_paged_attention_reference``."""
     cfg = config or GpuKernelConfig()
@@ -199,6 +204,8 @@ def ragged_attention_gpu(
         q_per_seq = max(q_per_seq, tc.next_pow2(md.decode_query_len))
     block_q = max(1, cfg.prefill_rows // gp)
     use_mosaic = _use_mosaic_prefill(cfg, q, page_size, sliding_window, interpret, k_pages.dtype)
+    if use_mosaic and v_token_minor:  # unreachable while only fp8 caches are token-minor (Mosaic takes no fp8)
+        raise ValueError("the Mosaic prefill kernel reads token-major V only; use prefill_impl='triton'")
     # [T + pad, K, Gp, D]: the query heads of a KV head side by side. The Triton prefill kernel's tiles need
     # padding rows to stay in bounds, and so does the interpreter (it clamps the decode kernel's row window);
     # the decode kernel itself masks its loads and the Mosaic kernel reads q itself, so that path pads
@@ -223,6 +230,7 @@ def ragged_attention_gpu(
         heads_inner=cfg.decode_heads_inner, precision=precision, interpret=interpret,
         compute_dtype=_fp8_decode_compute(cfg, q.dtype, k_pages.dtype),
         mask_tail_only=fp8.is_fp8(k_pages.dtype) if cfg.decode_mask_tail_only is None else cfg.decode_mask_tail_only,
+        v_token_minor=v_token_minor,
     )  # fmt: skip
     max_prefill_seqs = t // (q_per_seq + 1)  # a prefill sequence has more than q_per_seq tokens
     seq = md.token_seq_ids  # [T]
@@ -253,6 +261,7 @@ def ragged_attention_gpu(
             num_tokens=t, max_prefill_seqs=max_prefill_seqs, scale=scale, block_q=block_q,
             tile_tokens=pre_tile, sliding_window=sliding_window, v_mask=cfg.v_mask,
             num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages, precision=precision, interpret=interpret,
+            v_token_minor=v_token_minor,
         )[:t, :, :g]  # fmt: skip  rows of prefill tokens
     dec = decode()[:t, :, :g]  # rows of decode tokens
 

@@ -29,6 +29,7 @@ def write_kv(
     slot_mapping: jax.Array,  # [T] int32; out-of-range slots (padding) are dropped
     k_scale=1.0,  # fp8 caches only: stored values are x / scale, clipped (fp8.quantize)
     v_scale=1.0,
+    v_token_minor: bool = False,  # v_pages is [N, K, D, P] (kv_layout.py)
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys and values into their cache slots (in place when the cache is donated)."""
     n, p, k, d = k_pages.shape
@@ -41,6 +42,11 @@ def write_kv(
         slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), n * p, slot_mapping.dtype)])  # [2]
     k_new, v_new = fp8.quantize(k_new, k_scale, k_pages.dtype), fp8.quantize(v_new, v_scale, v_pages.dtype)
     k_flat = k_pages.reshape(n * p, k, d).at[slot_mapping].set(k_new, mode="drop")
+    if v_token_minor:
+        # A slot is (block, offset): the offset indexes the last axis. Out-of-range slots have an
+        # out-of-range block (slot // P >= N), so mode="drop" still drops them.
+        blk, off = slot_mapping // p, slot_mapping % p  # [T]
+        return k_flat.reshape(n, p, k, d), v_pages.at[blk, :, :, off].set(v_new, mode="drop")
     v_flat = v_pages.reshape(n * p, k, d).at[slot_mapping].set(v_new, mode="drop")
     return k_flat.reshape(n, p, k, d), v_flat.reshape(n, p, k, d)
 

@@ -58,6 +58,47 @@ def load_kv_tile(
     return tile
 
 
+def load_v_tile_token_minor(
+    vt_ref, tables_ref, seq, tok0, kv_head, tile_tokens: int, seq_len=None, mask_mode="none", dtype=None
+):
+    """V of context tokens [tok0, tok0 + TK) from a token-minor cache ``[N, K, D, P]``, transposed: [D, TK].
+
+    Why: P·V sums over tokens, so the tensor cores want V's B operand as pairs of consecutive *tokens* per
+    head-dim column. A token-major fp8 tile is contiguous along D, and Hopper's transposed shared-memory
+    load takes only 16-bit elements, so Triton reshapes it with byte permutes; a token-minor tile is already
+    in the operand's order. Same contract as ``load_kv_tile`` otherwise (conversion to ``dtype``, masks).
+    """
+    page_size, head_dim = vt_ref.shape[-1], vt_ref.shape[-2]
+    if tile_tokens >= page_size:
+        n_pages = tile_tokens // page_size
+        page_ids = tables_ref[seq, pl.ds(tok0 // page_size, n_pages)]  # [TK // P]
+        idx = (page_ids, kv_head, slice(None), slice(None))
+        shape = (n_pages, head_dim, page_size)  # [TK // P, D, P]
+    else:
+        in_page = lax.rem(tok0, jnp.int32(page_size))
+        idx = (tables_ref[seq, tok0 // page_size], kv_head, slice(None), pl.ds(in_page, tile_tokens))
+        shape = (head_dim, tile_tokens)  # [D, TK]
+    if mask_mode == "load":
+        pos = tok0 + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+        if len(shape) == 3:
+            pos += lax.broadcasted_iota(jnp.int32, shape, 0) * page_size
+        tile = plgpu.load(vt_ref.at[idx], mask=pos < seq_len, other=0)
+    else:
+        tile = vt_ref[idx]
+    if dtype is not None and tile.dtype != dtype:
+        tile = tile.astype(dtype)
+    if mask_mode == "where":  # in the loaded layout, before the transpose: the selects then need no shuffles
+        if len(shape) == 3:
+            pos = tok0 + lax.broadcasted_iota(jnp.int32, (shape[0], 1, page_size), 0) * page_size
+            pos += lax.broadcasted_iota(jnp.int32, (shape[0], 1, page_size), 2)  # [TK // P, 1, P]
+        else:
+            pos = tok0 + lax.broadcasted_iota(jnp.int32, (1, tile_tokens), 1)  # [1, TK]
+        tile = jnp.where(pos < seq_len, tile, 0)
+    if len(shape) == 3:
+        tile = jnp.transpose(tile, (1, 0, 2)).reshape(head_dim, tile_tokens)  # [D, TK]
+    return tile
+
+
 def pick_tile_tokens(requested: int, head_dim: int, itemsize: int, stages: int, budget: int = 128 * 1024) -> int:
     """Largest power of two <= requested whose pipelined K and V buffers fit the shared-memory budget."""
     fit = budget // (2 * head_dim * itemsize * stages)
@@ -65,10 +106,11 @@ def pick_tile_tokens(requested: int, head_dim: int, itemsize: int, stages: int, 
     return max(tile, 16)  # 16 rows: the smallest MMA operand
 
 
-def online_softmax_step(q, k, v, visible, carry, *, scale: float, precision):
+def online_softmax_step(q, k, v, visible, carry, *, scale: float, precision, v_token_minor: bool = False):
     """One flash-attention update of (acc[M,D], m[M], l[M]) with a K/V tile of TK tokens.
 
-    q: [M, D]; k, v: [TK, D]; visible: [M, TK] bool, or None when nothing in the tile is masked.
+    q: [M, D]; k: [TK, D]; v: [TK, D], or [D, TK] with ``v_token_minor`` (``load_v_tile_token_minor``);
+    visible: [M, TK] bool, or None when nothing in the tile is masked.
     ``precision`` of both products: Triton runs HIGHEST float32 as IEEE float32, DEFAULT and HIGH as TF32;
     bf16 operands ignore it.
     """
@@ -81,7 +123,7 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, precision):
     alpha = jnp.exp2((m_prev - m_next) * _LOG2E)  # [M]
     p = jnp.exp2((s - m_next[:, None]) * _LOG2E)  # [M, TK]
     l_next = alpha * l_prev + p.sum(axis=-1)
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D] f32
+    pv = plgpu.dot(p.astype(v.dtype), v, trans_b=v_token_minor, precision=precision)  # [M, D] f32
     return acc * alpha[:, None] + pv, m_next, l_next
 
 

@@ -35,7 +35,7 @@ def _decode_kernel(
     tables_ref,  # [S, Bp] int32, padded to cover num_splits * tokens_per_split
     q_ref,  # [T (+ QA), K, Gp, D]
     k_ref,  # [N, P, K, D]
-    v_ref,  # [N, P, K, D]
+    v_ref,  # [N, P, K, D], or [N, K, D, P] with v_token_minor
     *refs,  # (aliased buffer in,) then out: o [T(+QA), K, Gp, D], or acc [J, S, K, M, D] f32, m and l [J, S, K, M] f32
     scale: float,
     q_per_seq: int,
@@ -48,6 +48,7 @@ def _decode_kernel(
     precision: lax.Precision | None,
     compute_dtype=None,
     mask_tail_only: bool = False,
+    v_token_minor: bool = False,
 ):
     out_refs = refs[1:] if aliased else refs
     if heads_inner:
@@ -85,14 +86,19 @@ def _decode_kernel(
         # K needs no masking (masked logits are replaced); V does unless v_mask is "none".
         k = tc.load_kv_tile(k_ref, tables_ref, s, tok0, kh, tile_tokens, dtype=q.dtype)  # [TK, D]
         v_mode = v_mask if masked else "none"
-        v = tc.load_kv_tile(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mode, q.dtype)  # [TK, D]
+        if v_token_minor:
+            v = tc.load_v_tile_token_minor(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mode, q.dtype)  # [D, TK]
+        else:
+            v = tc.load_kv_tile(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mode, q.dtype)  # [TK, D]
         visible = None
         if masked:
             kv_pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 1)  # [M, TK]
             visible = kv_pos <= q_pos
             if sliding_window is not None:
                 visible &= kv_pos > q_pos - sliding_window
-        return tc.online_softmax_step(q, k, v, visible, carry, scale=scale, precision=precision)
+        return tc.online_softmax_step(
+            q, k, v, visible, carry, scale=scale, precision=precision, v_token_minor=v_token_minor
+        )
 
     carry = tc.init_carry(rows, head_dim)
     n_full = 0
@@ -158,7 +164,7 @@ def _merge_kernel(
 def decode_attention(
     q_p: jax.Array,  # [T (+ QA), K, Gp, D]: padding rows only for interpret mode (it clamps row windows)
     k_pages: jax.Array,  # [N, P, K, D]
-    v_pages: jax.Array,  # [N, P, K, D]
+    v_pages: jax.Array,  # [N, P, K, D], or [N, K, D, P] with v_token_minor
     query_start_loc: jax.Array,  # [S+1]
     seq_lens: jax.Array,  # [S]
     block_tables: jax.Array,  # [S, B]
@@ -178,6 +184,8 @@ def decode_attention(
     compute_dtype=None,
     # Mask logits and V only in the tiles that need it (those reaching past the first row's position).
     mask_tail_only: bool = False,
+    # V pages are token-minor, [N, K, D, P] (kv_layout.py): P·V's operand comes without byte permutes.
+    v_token_minor: bool = False,
     out: jax.Array | None = None,  # [T', K, Gp, D]: write the decode rows into this buffer (aliased)
     interpret: bool,
 ) -> jax.Array:  # `out` with the decode tokens' rows written, else a new [T + QA, K, Gp, D] holding only those
@@ -206,6 +214,7 @@ def decode_attention(
         heads_inner=heads_inner,
         compute_dtype=compute_dtype,
         mask_tail_only=mask_tail_only,
+        v_token_minor=v_token_minor,
         aliased=aliased and single,
         precision=prec.resolve(precision, q_p.dtype),
     )

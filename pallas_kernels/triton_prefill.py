@@ -50,7 +50,7 @@ def _prefill_kernel(
     tables_ref,  # [S+1, Bp] int32
     q_ref,  # [T + BQ, K, Gp, D]
     k_ref,  # [N, P, K, D]
-    v_ref,  # [N, P, K, D]
+    v_ref,  # [N, P, K, D], or [N, K, D, P] with v_token_minor
     o_ref,  # out [T + BQ, K, Gp, D]
     *,
     scale: float,
@@ -59,6 +59,7 @@ def _prefill_kernel(
     sliding_window: int | None,
     v_mask: str,
     precision: lax.Precision | None,
+    v_token_minor: bool = False,
 ):
     b, kh = pl.program_id(0), pl.program_id(1)
     head_dim = k_ref.shape[-1]
@@ -90,19 +91,22 @@ def _prefill_kernel(
         # diagonal tiles (and every tile under a sliding window) pay for it.
         full_end = lo_tile if sliding_window is not None else jnp.minimum((pos0 + 1) // tile_tokens, end_tile)
 
+        load_v = tc.load_v_tile_token_minor if v_token_minor else tc.load_kv_tile  # [D, TK] or [TK, D]
+        step = functools.partial(tc.online_softmax_step, scale=scale, precision=precision, v_token_minor=v_token_minor)
+
         def body(tile, carry, masked: bool):
             t0 = tile * tile_tokens
             # K needs no masking (masked logits are replaced); V does unless v_mask is "none".
             k = tc.load_kv_tile(k_ref, tables_ref, s, t0, kh, tile_tokens, dtype=q.dtype)  # [TK, D]
             if not masked:
-                v = tc.load_kv_tile(v_ref, tables_ref, s, t0, kh, tile_tokens, dtype=q.dtype)  # [TK, D], all < seq_len
-                return tc.online_softmax_step(q, k, v, None, carry, scale=scale, precision=precision)
-            v = tc.load_kv_tile(v_ref, tables_ref, s, t0, kh, tile_tokens, seq_len, v_mask, q.dtype)  # [TK, D]
+                v = load_v(v_ref, tables_ref, s, t0, kh, tile_tokens, dtype=q.dtype)  # all tokens < seq_len
+                return step(q, k, v, None, carry)
+            v = load_v(v_ref, tables_ref, s, t0, kh, tile_tokens, seq_len, v_mask, q.dtype)
             kv_pos = t0 + lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 1)  # [M, TK]
             visible = kv_pos <= q_pos
             if sliding_window is not None:
                 visible &= kv_pos > q_pos - sliding_window
-            return tc.online_softmax_step(q, k, v, visible, carry, scale=scale, precision=precision)
+            return step(q, k, v, visible, carry)
 
         carry = lax.fori_loop(lo_tile, full_end, functools.partial(body, masked=False), tc.init_carry(rows, head_dim))
         acc, _, l = lax.fori_loop(jnp.maximum(full_end, lo_tile), end_tile, functools.partial(body, masked=True), carry)
@@ -115,7 +119,7 @@ def _prefill_kernel(
 def prefill_attention(
     q_p: jax.Array,  # [T + BQ, K, Gp, D]
     k_pages: jax.Array,  # [N, P, K, D]
-    v_pages: jax.Array,  # [N, P, K, D]
+    v_pages: jax.Array,  # [N, P, K, D], or [N, K, D, P] with v_token_minor
     query_start_loc: jax.Array,  # [S+1]
     seq_lens: jax.Array,  # [S]
     block_tables: jax.Array,  # [S, B]
@@ -131,6 +135,7 @@ def prefill_attention(
     num_warps: int,
     num_stages: int,
     precision: lax.Precision | None = None,  # of the kernel's products; None: from q's dtype (precision.resolve)
+    v_token_minor: bool = False,  # V pages are [N, K, D, P] (kv_layout.py)
     interpret: bool,
 ) -> jax.Array:  # [T + BQ, K, Gp, D]; rows of tokens it does not own are unwritten
     s_count, width = block_tables.shape
@@ -154,6 +159,7 @@ def prefill_attention(
         sliding_window=sliding_window,
         v_mask=v_mask,
         precision=prec.resolve(precision, q_p.dtype),
+        v_token_minor=v_token_minor,
     )
     return pl.pallas_call(
         kernel,
