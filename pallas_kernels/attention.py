@@ -76,6 +76,10 @@ def _pallas_available(platform: str) -> bool:
     return True
 
 
+# Every backend's keyword arguments that select a compiled variant rather than carry data.
+_STATIC_ARGNAMES = ("scale", "sliding_window", "precision")
+
+
 @functools.cache
 def get_attention_fn(name: str, platform: str) -> AttentionFn:
     # Every backend comes wrapped in a jit of its own: every layer calls attention with the same shapes, so
@@ -84,7 +88,7 @@ def get_attention_fn(name: str, platform: str) -> AttentionFn:
     # start-up on CPU; lowered per layer, the Mosaic GPU prefill kernel was built 32 times per step shape of
     # an 8B model (~2.9 s each on the H200: 105 s per shape instead of ~16 s).
     fn = _backend_fn(resolve_backend(name, platform), platform)
-    return jax.jit(fn, static_argnames=("scale", "sliding_window", "precision"))
+    return jax.jit(fn, static_argnames=_STATIC_ARGNAMES)
 
 
 def donating_kv(fn: AttentionFn) -> AttentionFn:
@@ -93,7 +97,7 @@ def donating_kv(fn: AttentionFn) -> AttentionFn:
     pages while the runner still holds the originals: by the end of a step the cache existed twice (a 7B
     Qwen2-VL ran out of memory on the H200 at gpu_memory_utilization 0.9, 2026-12-01). Inside a jitted step
     the call is inlined and the step's own donation applies; this one is then ignored."""
-    return jax.jit(fn, static_argnames=("scale", "sliding_window", "precision"), donate_argnums=(3, 4))
+    return jax.jit(fn, static_argnames=_STATIC_ARGNAMES, donate_argnums=(3, 4))
 
 
 def _backend_fn(backend: str, platform: str) -> AttentionFn:

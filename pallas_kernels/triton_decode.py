@@ -81,15 +81,14 @@ def _decode_kernel(
     hi = jnp.minimum(seq_len, (split + 1) * tokens_per_split)
     n_tiles = jnp.where(active, pl.cdiv(jnp.maximum(hi - lo, 0), tile_tokens), 0)
 
+    load_v = tc.load_v_tile_token_minor if v_token_minor else tc.load_kv_tile
+
     def body(i, carry, masked=True):
         tok0 = lo + i * tile_tokens
         # K needs no masking (masked logits are replaced); V does unless v_mask is "none".
         k = tc.load_kv_tile(k_ref, tables_ref, s, tok0, kh, tile_tokens, dtype=q.dtype)  # [TK, D]
         v_mode = v_mask if masked else "none"
-        if v_token_minor:
-            v = tc.load_v_tile_token_minor(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mode, q.dtype)  # [D, TK]
-        else:
-            v = tc.load_kv_tile(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mode, q.dtype)  # [TK, D]
+        v = load_v(v_ref, tables_ref, s, tok0, kh, tile_tokens, seq_len, v_mode, q.dtype)  # [TK, D] or [D, TK]
         visible = None
         if masked:
             kv_pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, tile_tokens), 1)  # [M, TK]
