@@ -10,7 +10,8 @@ a subset, in this order): HF generate in float32 and in bfloat16 (static batches
 enforce_eager. Each row runs in a fresh Python process, one after another, so each starts with all device
 memory free. Every jitted jaxserve row first runs the whole workload once on other images (so every step
 shape and the vision step's bucket it reaches are compiled, with any --precompile), then times one
-LLM.generate over the workload; the eager row warms up on the prompts with 8 new tokens. Image preprocessing, the
+LLM.generate over the workload; the eager row warms up on the prompts with 8 new tokens, and its timed run
+makes --output-len x --eager-scale new tokens a request (1.0 by default: the same workload). Image preprocessing, the
 vision tower and the decoder are all inside the timed region, as they are in HF's rows. A row's JSON says
 how many shapes still compiled inside its timed region (``lazy_compiles_timed``; 0 means a clean timing).
 
@@ -48,6 +49,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--hf-batch-sizes", "--hf_batch_sizes", dest="hf_batch_sizes", default="32,64,128",
                    help="HF rows time each of these static batch sizes and keep the fastest")
+    p.add_argument("--eager-scale", "--eager_scale", dest="eager_scale", type=float, default=1.0,
+                   help="the bf16-eager row makes output-len x this many new tokens a request (every op of every "
+                        "layer is dispatched from Python, so the full workload can take minutes); the table says so")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed per row")
     p.add_argument("--include", nargs="*", default=[], metavar="JSON",
                    help="rows of earlier `bench vl` outputs (same workload) to add to this table, not run again")
@@ -91,6 +95,8 @@ def row_settings(name: str, base: dict) -> dict:
 def run(ns: argparse.Namespace) -> int:
     from jaxserve.cli import engine_args_from
 
+    if not 0 < ns.eager_scale <= 1:
+        raise ValueError(f"--eager-scale={ns.eager_scale} is invalid: give a fraction in (0, 1], e.g. 0.125")
     rows_wanted = [r.strip() for r in ns.rows.split(",") if r.strip()]
     bad = [r for r in rows_wanted if r not in ROWS]
     if (not rows_wanted and not ns.include) or bad:
@@ -113,8 +119,13 @@ def run(ns: argparse.Namespace) -> int:
                     "workload": workload}  # fmt: skip
             row = _child("jaxserve.bench.hf_vl_generate", spec, ns.timeout)
         else:
-            spec = {"engine_args": row_settings(name, base), "workload": workload}
+            work = dict(workload)
+            if name == "bf16-eager":
+                work["output_len"] = max(1, round(ns.output_len * ns.eager_scale))
+            spec = {"engine_args": row_settings(name, base), "workload": work}
             row = _child("jaxserve.bench.vl", spec, ns.timeout)
+            if work != workload:
+                row["output_len"] = work["output_len"]
         rows.append({"row": name, "note": NOTES[name], **row})
         _print_row(rows[-1])
     _speedups(rows)
@@ -183,6 +194,7 @@ def format_table(rows: list[dict]) -> str:
         same = f"{r['speedup_vs_hf_same_dtype']:.2f}x" if "speedup_vs_hf_same_dtype" in r else "–"
         best = f"{r['speedup_vs_best_hf']:.2f}x" if "speedup_vs_best_hf" in r else "–"
         note = r["note"] + (f" (batch {r['batch_size']})" if "batch_size" in r else "")
+        note += f" ({r['output_len']} new tokens a request)" if "output_len" in r else ""
         tps, rps = f"{r['output_tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}"
         lines.append(f"| {r['row']} | {tps} | {rps} | {same} | {best} | {note} |")
     return "\n".join(lines)
@@ -201,6 +213,7 @@ def child_main(spec_path: str, res_path: str) -> None:
     t0 = time.perf_counter()
     llm = LLM(**spec["engine_args"], use_tqdm_on_load=False)
     startup_s = time.perf_counter() - t0
+    print(f"bench vl: engine ready in {startup_s:.1f} s; warming up", flush=True)
     vl_config = llm.llm_engine.mm_processor.config
     work = make_workload(vl_config, **work_spec)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=work_spec["output_len"])
@@ -214,6 +227,7 @@ def child_main(spec_path: str, res_path: str) -> None:
     runner = llm.llm_engine.runner
     vision = runner.vision
     encoded, lazy = vision.num_encoded, runner.num_lazy_compiles + len(vision.compiled_buckets)
+    print(f"bench vl: warm after {time.perf_counter() - t0:.1f} s; timing", flush=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -40,3 +40,10 @@ def test_rows_and_table(tmp_path):
     table = vl.format_table(rows)
     assert "| fp32 |" in table and "failed: x" in table
     assert vl.row_settings("bf16-eager", {"dtype": "auto"}) == {"dtype": "bfloat16", "enforce_eager": True}
+
+
+def test_eager_row_names_its_shorter_workload():
+    """A scaled eager row (--eager-scale) says in the table how many tokens it made, so no one reads it as the full run."""
+    rows = [{"row": "bf16-eager", "note": "eager", "dtype": "bfloat16", "output_tokens_per_s": 10.0, "requests_per_s": 1.0,
+             "output_len": 16}]  # fmt: skip
+    assert "eager (16 new tokens a request)" in vl.format_table(rows)
