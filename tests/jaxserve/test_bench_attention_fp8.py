@@ -34,3 +34,23 @@ def test_unknown_field_or_compute_names_the_choices():
         bench._parse_variant("x=decode_tiles=32")
     with pytest.raises(SystemExit, match="query"):
         bench.main(["--fp8-decode-compute", "float8", "--quick"])
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3"])
+def test_whole_prompt_reference_matches_the_paged_reference(fmt):
+    """The prefill rows' reference (one sequence at a time, to fit the GPU) is the engine's reference backend."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.pallas_kernels import fp8
+    from jaxserve.pallas_kernels.random_batch import make_batch
+
+    batch = make_batch(np.random.default_rng(0), q_lens=[24, 24], ctx_lens=[24, 24], num_heads=4, num_kv_heads=2,
+                       head_dim=16, block_size=8, dtype=jnp.bfloat16)  # fmt: skip
+    dtype = fp8.kv_cache_dtype_for(fmt, jnp.bfloat16)
+    k, v = fp8.quantize(batch.k_pages, 1.0, dtype), fp8.quantize(batch.v_pages, 1.0, dtype)
+    with jax.default_matmul_precision("highest"):
+        want, _, _ = bench.reference_backend(batch.q, batch.k_new, batch.v_new, k, v, batch.md, scale=16**-0.5)
+        got = bench._whole_prompt_reference(batch.q, batch.k_new, batch.v_new, 2, dtype)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
