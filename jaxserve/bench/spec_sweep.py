@@ -10,7 +10,9 @@ each a = 0..k only the verify programs are rebuilt, which costs seconds where a 
 Without ``--speculative-config`` the same prompts run without speculation (the baseline row). Each row: one
 warm-up request, then ``--repeats`` fresh random prompts of ``--input-len`` tokens -> ``--output-len`` tokens
 (EOS ignored); the median of output tokens / end-to-end seconds, and the loop's ms per step split into host
-work and waiting for the device.
+work and waiting for the device. ``--acceptance 3,0`` runs only those lengths, in that order (the goal's row
+first when a device call's time is short); the JSON is rewritten after every row, so a cut-off run keeps the
+rows it finished.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--input-len", "--input_len", dest="input_len", type=int, default=128)
     p.add_argument("--output-len", "--output_len", dest="output_len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed requests per acceptance length (median)")
+    p.add_argument("--acceptance", default=None,
+                   help="comma-separated forced acceptance lengths to time, in this order (default: 0..k)")
     p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -49,7 +53,25 @@ def _timed(llm, prompt_len: int, output_len: int, rng) -> dict:
             "wait_ms_per_step": 1e3 * d["wait_s"] / steps, "propose_ms_per_step": 1e3 * d["propose_s"] / steps}  # fmt: skip
 
 
-def sweep(llm, input_len: int, output_len: int, repeats: int, seed: int = 0) -> list[dict]:
+def acceptance_lengths(text: str | None, k: int | None) -> list[int | None]:
+    """The forced acceptance lengths to time, in order: ``[None]`` (the baseline) without speculation."""
+    if k is None:
+        if text:
+            raise ValueError(f"--acceptance={text!r} needs --speculative-config: without it only the baseline runs")
+        return [None]
+    if not text:
+        return list(range(k + 1))
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or any(not 0 <= a <= k for a in lengths):
+        raise ValueError(f"--acceptance={text!r} is invalid: give comma-separated integers in 0..{k} "
+                         f"(num_speculative_tokens), e.g. 3,0,{k}")  # fmt: skip
+    return lengths
+
+
+def sweep(llm, input_len: int, output_len: int, repeats: int, seed: int = 0, lengths=None, on_row=None) -> list[dict]:
     import numpy as np
 
     from jaxserve.spec_decode.verify import VerifyRunner
@@ -58,7 +80,7 @@ def sweep(llm, input_len: int, output_len: int, repeats: int, seed: int = 0) -> 
     spec = engine.speculator
     rng = np.random.default_rng(seed)
     rows = []
-    for a in [None] if spec is None else range(spec.k + 1):
+    for a in lengths if lengths is not None else acceptance_lengths(None, None if spec is None else spec.k):
         if spec is not None:  # the verify programs take the forced length as a static argument: rebuild them
             spec.config = dataclasses.replace(spec.config, forced_acceptance_length=a)
             spec.verifier = VerifyRunner(engine.runner, spec.k, a)
@@ -74,6 +96,8 @@ def sweep(llm, input_len: int, output_len: int, repeats: int, seed: int = 0) -> 
             row["accepted_tokens"] = spec.stats.num_accepted_tokens - before[1]
         rows.append(row)
         print(format_row(row), flush=True)
+        if on_row:
+            on_row(rows)
     return rows
 
 
@@ -94,16 +118,23 @@ def run(ns: argparse.Namespace) -> int:
     check_args(ns.input_len, ns.output_len, ns.repeats)
     args = engine_args_from(ns)
     spec = json.loads(args.speculative_config) if isinstance(args.speculative_config, str) else args.speculative_config
+    k = None
     if spec is not None:
         spec = {**spec, "forced_acceptance_length": 0}  # replaced row by row
+        k = spec.get("num_speculative_tokens")
+    valid_k = spec is None or (isinstance(k, int) and k >= 1)  # else the engine's config check names the error
+    lengths = acceptance_lengths(ns.acceptance, k) if valid_k else None  # checked before the model loads
     start = time.perf_counter()
     llm = LLM(**{**dataclasses.asdict(args), "speculative_config": spec})
     startup_s = time.perf_counter() - start
-    rows = sweep(llm, ns.input_len, ns.output_len, ns.repeats, ns.seed or 0)
-    result = {"engine": "jaxserve", "bench": "spec-sweep", "input_len": ns.input_len, "output_len": ns.output_len,
-              "repeats": ns.repeats, "speculative_config": spec, "startup_s": startup_s, "rows": rows,
-              "engine_info": llm.llm_engine.info(), **environment(jax)}  # fmt: skip
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+
+    def write(rows: list[dict]) -> None:
+        result = {"engine": "jaxserve", "bench": "spec-sweep", "input_len": ns.input_len, "output_len": ns.output_len,
+                  "repeats": ns.repeats, "speculative_config": spec, "startup_s": startup_s, "rows": rows,
+                  "engine_info": llm.llm_engine.info(), **environment(jax)}  # fmt: skip
+        if ns.output_json:
+            with open(ns.output_json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    sweep(llm, ns.input_len, ns.output_len, ns.repeats, ns.seed or 0, lengths=lengths, on_row=write)
     return 0
