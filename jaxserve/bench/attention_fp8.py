@@ -36,9 +36,11 @@ import numpy as np
 
 from jaxserve.bench.attention import D, H, K, P, rel_err, time_fn
 from jaxserve.pallas_kernels import fp8, kv_layout
-from jaxserve.pallas_kernels.attention import paged_attention as reference_backend
 from jaxserve.pallas_kernels.paged_attention_pallas import (
-    FP8_DECODE_COMPUTE, GpuKernelConfig, paged_attention_pallas, ragged_attention_gpu,
+    FP8_DECODE_COMPUTE,
+    GpuKernelConfig,
+    paged_attention_pallas,
+    ragged_attention_gpu,
 )  # fmt: skip
 from jaxserve.pallas_kernels.random_batch import make_batch
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference

@@ -42,8 +42,8 @@ def test_whole_prompt_reference_matches_the_paged_reference(fmt):
     import jax
     import jax.numpy as jnp
     import numpy as np
-
     from jaxserve.pallas_kernels import fp8
+    from jaxserve.pallas_kernels.attention import paged_attention
     from jaxserve.pallas_kernels.random_batch import make_batch
 
     batch = make_batch(np.random.default_rng(0), q_lens=[24, 24], ctx_lens=[24, 24], num_heads=4, num_kv_heads=2,
@@ -51,6 +51,6 @@ def test_whole_prompt_reference_matches_the_paged_reference(fmt):
     dtype = fp8.kv_cache_dtype_for(fmt, jnp.bfloat16)
     k, v = fp8.quantize(batch.k_pages, 1.0, dtype), fp8.quantize(batch.v_pages, 1.0, dtype)
     with jax.default_matmul_precision("highest"):
-        want, _, _ = bench.reference_backend(batch.q, batch.k_new, batch.v_new, k, v, batch.md, scale=16**-0.5)
+        want, _, _ = paged_attention(batch.q, batch.k_new, batch.v_new, k, v, batch.md, scale=16**-0.5)
         got = bench._whole_prompt_reference(batch.q, batch.k_new, batch.v_new, 2, dtype)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
