@@ -116,9 +116,12 @@ def run(ns: argparse.Namespace) -> int:
         roof = roofline.offline(engine.text_config, dtype, work, sc.max_num_seqs, sc.max_num_batched_tokens, rates)
         result["roofline"] = roof
         result["roofline_fraction"] = result["output_tokens_per_s"] / roof["output_tokens_per_s"]
+        result["serial_roofline_fraction"] = result["output_tokens_per_s"] / roof["serial_output_tokens_per_s"]
         print(f"roofline ({roofline.format_rates(rates)}): {roof['output_tokens_per_s']:.1f} output tok/s "
               f"({roof['bound']}-bound: {roof['flops'] / 1e12:.1f} TFLOP in {roof['flops_s']:.2f} s, "
-              f"{roof['bytes'] / 1e9:.1f} GB in {roof['bytes_s']:.2f} s) -> {100 * result['roofline_fraction']:.0f}% reached")
+              f"{roof['bytes'] / 1e9:.1f} GB in {roof['bytes_s']:.2f} s) -> {100 * result['roofline_fraction']:.0f}% reached; "
+              f"matmuls then KV traffic ({roof['kv_bytes'] / 1e9:.1f} GB in {roof['kv_s']:.2f} s), one after the other: "
+              f"{roof['serial_output_tokens_per_s']:.1f} output tok/s -> {100 * result['serial_roofline_fraction']:.0f}% reached")
     if ns.single_stream:
         result["single_stream"] = latency.finish(llm, single_work, single_hf, dtype, rates["copy_bytes_per_s"])
         print(latency.describe(result["single_stream"]))

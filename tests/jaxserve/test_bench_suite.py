@@ -55,6 +55,10 @@ def test_offline_roofline_counts():
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     assert roof["bytes"] == 2 * roofline.weight_bytes(cfg, "float32") + kv * (4 + 4)  # decode reads 4, writes 4
     assert roof["seconds"] == max(roof["flops_s"], roof["bytes_s"])
+    # The serial bound: matmuls (here memory-bound: 2 steps of weights at 1 GB/s), then the KV traffic.
+    assert roof["kv_bytes"] == kv * 8 and roof["serial_seconds"] == pytest.approx(
+        max(roof["flops_s"], 2 * roofline.weight_bytes(cfg, "float32") / 1e9) + kv * 8 / 1e9)
+    assert roof["serial_output_tokens_per_s"] <= roof["output_tokens_per_s"]
 
 
 def test_engine_flags_rebuild_the_same_args():
