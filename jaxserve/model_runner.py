@@ -441,9 +441,10 @@ class ModelRunner:
             jax.block_until_ready(logits)
         return time.perf_counter() - start
 
-    def _executable_store(self) -> ExecutableStore | None:
+    def _executable_store(self, extra: dict | None = None) -> ExecutableStore | None:
         """Where step programs persist between starts, keyed by everything (besides the code and JAX) that
-        shapes them."""
+        shapes them. ``extra``: what else shapes another user's programs over these weights and cache (an
+        EAGLE head's rounds): a store of its own context."""
         context = {
             "model": repr(self.text_config),
             "model_config": repr(self.model_config),
@@ -467,6 +468,8 @@ class ModelRunner:
             context["v_token_minor"] = True
         if self.aux_layers:  # EAGLE: the steps also write the hidden-state store (absent: keys stay as before)
             context["aux_layers"] = self.aux_layers
+        if extra:
+            context["extra"] = extra
         return ExecutableStore.open(self.runner_config.compilation_cache_dir, self.runner_config.platform, context)
 
     def _sampler_variants(self, shapes: list[tuple[int, int]]) -> list[tuple[tuple, Any]]:

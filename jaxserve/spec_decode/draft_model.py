@@ -99,8 +99,10 @@ class DraftProposer(FedRoundsMixin):
         runner.warmup(progress=progress)  # its plain steps: the chunks of a long catch-up (a prompt)
         proposer = cls(runner, sc.max_num_batched_tokens, sc.max_num_seqs, config.num_speculative_tokens)
         seconds = proposer.programs.warmup() + proposer.fed.warmup()
-        logger.info("draft model %s: %d KV blocks (the target's layout), %d proposal programs compiled in %.1fs",
-                    path, runner.num_blocks, len(proposer.programs.shapes()) + len(proposer.fed.shapes()), seconds)
+        logger.info("draft model %s: %d KV blocks (the target's layout), %d proposal programs ready in %.1fs "
+                    "(%d loaded from the executable store)", path, runner.num_blocks,
+                    len(proposer.programs.shapes()) + len(proposer.fed.shapes()), seconds,
+                    proposer.programs.num_loaded_programs + proposer.fed.num_loaded_programs)
         return proposer
 
     def _steady(self, seq: ScheduledSeq, r: Request) -> bool:

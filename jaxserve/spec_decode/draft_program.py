@@ -116,6 +116,7 @@ class RoundPrograms:
     cache goes (``_keep``)."""
 
     name = "proposal"
+    store_prefix = "proposal"  # the programs' names in the executable store start with this
 
     def __init__(self, runner, k: int, jitted) -> None:
         self.runner = runner  # whose buckets (and, for a draft model, weights and cache) the rounds use
@@ -123,6 +124,8 @@ class RoundPrograms:
         self._jit = jitted  # (*lead, tok [5, T], seq [S, 3 + B]) -> (proposals [S, k], cache)
         self._programs: dict[tuple[int, int], object] = {}  # (T, B) -> compiled program
         self.num_lazy_compiles = 0
+        self.num_loaded_programs = 0  # programs the last warmup loaded from the executable store
+        self.loop = "unroll" if unrolled() else "fori"  # as the subclass's jitted function was built, just before
 
     def _lead(self) -> tuple:
         raise NotImplementedError
@@ -156,13 +159,40 @@ class RoundPrograms:
         return pack_inputs(x)
 
     def warmup(self) -> float:
-        """Compile the start-up shapes side by side (XLA compiles without the GIL); returns seconds."""
+        """Compile the start-up shapes side by side (XLA compiles without the GIL); returns seconds. A program
+        stored by an earlier start (accelerators: jaxserve.executable_store) is loaded instead of traced, and each
+        one compiled here is stored."""
         import time
 
         start = time.perf_counter()
-        lowered = {shape: self._lower(shape, (*self._lead(), *self._args(shape))) for shape in self.shapes()}
-        self._programs.update(compile_in_parallel(lowered))
+        store = self._store()
+        devices = list(self.runner.mesh.devices.flat)
+        lowered = {}
+        for shape in self.shapes():
+            program = store.load(self._store_name(shape), devices) if store is not None else None
+            if program is not None:
+                self._programs[shape] = program
+            else:
+                lowered[shape] = self._lower(shape, (*self._lead(), *self._args(shape)))
+        compiled = compile_in_parallel(lowered)
+        self._programs.update(compiled)
+        if store is not None:
+            for shape, program in compiled.items():
+                store.save(self._store_name(shape), program)
+        self.num_loaded_programs = store.hits if store is not None else 0
         return time.perf_counter() - start
+
+    def _store(self):
+        """Where the round programs persist between starts: the runner's executable store (None on CPU), whose
+        context keys the model, dtype, KV cache (blocks, dtype, scales), buckets and mesh they run over; a
+        subclass whose programs read more (an EAGLE head) adds it to that context."""
+        return self.runner._executable_store()
+
+    def _store_name(self, shape: tuple[int, int]) -> str:
+        """A round program's name in the store: what the runner's context does not say (k, the decode loop's
+        form, the shape). A forced acceptance length changes the verify step only, not the rounds."""
+        t, b = shape
+        return f"{self.store_prefix}-k{self.k}-{self.loop}-t{t}-b{b}"
 
     def __call__(self, x) -> jax.Array:
         """Run one round on ``x`` (what ``_args`` takes); returns proposals [S, k] on the device."""
@@ -184,6 +214,7 @@ class DraftPrograms(RoundPrograms):
     """The draft model's rounds, over its ModelRunner's weights and cache (donated in, handed back)."""
 
     name = "draft proposal"
+    store_prefix = "draft"
 
     def __init__(self, runner, k: int) -> None:
         import functools

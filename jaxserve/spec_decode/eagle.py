@@ -84,6 +84,7 @@ def eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_s
 
 class EaglePrograms(RoundPrograms):
     name = "EAGLE proposal"
+    store_prefix = "eagle"
 
     def __init__(self, target_runner, head, d2t: np.ndarray, kv_caches, k: int) -> None:
         from jaxserve import sharding
@@ -95,6 +96,7 @@ class EaglePrograms(RoundPrograms):
         # by KV heads as the target's does and as the runner's memory budget counts it. Its fc and EAGLE-3's
         # lm_head map to no mesh axis: replicated. XLA adds the collectives (after o_proj and down_proj, and
         # around fc's read of the width-split hidden-state store).
+        self.head_config = (repr(head.config), head.version)  # keys its programs in the store (_store)
         self.head_graph, head_state = nnx.split(head)
         head_state = jax.device_put(head_state, sharding.param_shardings(head, r.mesh))  # no-op once load_head placed it
         self.head_params, self.head_tree = jax.tree.flatten(head_state)
@@ -116,6 +118,21 @@ class EaglePrograms(RoundPrograms):
 
     def _keep(self, cache) -> None:
         self.kv_caches = cache
+
+    def _store(self):
+        """The target runner's store (its weights, cache and the hidden-state store it writes), in a context that
+        adds what only the rounds read: the head (its config, version, weights' shapes, dtypes and shardings), its
+        KV cache, the hidden-state store and d2t."""
+
+        def arrays(xs):
+            return [(x.shape, str(x.dtype), repr(getattr(x.sharding, "spec", x.sharding))) for x in xs]
+
+        context = {
+            "head": self.head_config, "params": arrays(self.head_params),
+            "tree": str(self.head_tree), "kv": arrays(jax.tree.leaves(self.kv_caches)),
+            "hidden_store": arrays([self.runner.kv_caches[-1]]), "d2t": arrays([self.d2t]),
+        }
+        return self.runner._executable_store(extra={"eagle": context})
 
 
 @dataclasses.dataclass
@@ -174,9 +191,10 @@ class EagleProposer(FedRoundsMixin):
         sc = r.scheduler_config
         proposer = cls(programs, sc.max_num_batched_tokens, sc.max_num_seqs)
         seconds = programs.warmup() + proposer.fed.warmup()
-        logger.info("EAGLE-%d head %s (reads target hidden states %s): %d proposal programs compiled in %.1fs",
-                    spec.version, config.model, list(spec.aux_layers),
-                    len(programs.shapes()) + len(proposer.fed.shapes()), seconds)
+        logger.info("EAGLE-%d head %s (reads target hidden states %s): %d proposal programs ready in %.1fs "
+                    "(%d loaded from the executable store)", spec.version, config.model, list(spec.aux_layers),
+                    len(programs.shapes()) + len(proposer.fed.shapes()), seconds,
+                    programs.num_loaded_programs + proposer.fed.num_loaded_programs)
         return proposer
 
     def _steady(self, seq, r: Request) -> bool:

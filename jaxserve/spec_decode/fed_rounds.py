@@ -102,6 +102,7 @@ class FedPrograms(RoundPrograms):
     def __init__(self, rounds: RoundPrograms, k: int) -> None:
         r = rounds.runner
         self.rounds = rounds
+        self.store_prefix = rounds.store_prefix + "-fed"  # in the store beside the rounds' own programs
         num_slots = r.num_blocks * r.block_size
         if hasattr(rounds, "head_graph"):  # EaglePrograms: the target runner's weights and the head's
             fn = functools.partial(
@@ -120,6 +121,9 @@ class FedPrograms(RoundPrograms):
 
     def _keep(self, cache) -> None:
         self.rounds._keep(cache)
+
+    def _store(self):
+        return self.rounds._store()  # the same weights and cache as the rounds': the same store context
 
     def shapes(self) -> list[tuple[int, int]]:
         return [(t, b) for t, b in super().shapes() if t >= 2]  # (T, B) of the verify steps

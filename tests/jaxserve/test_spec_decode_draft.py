@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
 from engine_fixtures import _ROOT, checkpoint, completions, generate, small_engine_kwargs, speculative_engine
@@ -108,3 +109,45 @@ def test_draft_with_another_vocabulary_is_refused():
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=r"vocab_size=600.*vocab_size=512.*share the target's tokenizer"):
         LLM(checkpoint("llama_gqa"), **small_engine_kwargs(speculative_config=spec, precompile="none"))
+
+
+def test_round_programs_are_stored_and_loaded(llm, tmp_path, monkeypatch):
+    """A second start loads the draft's round programs (its own and the fed ones) that an earlier start compiled
+    (the draft runner's executable store, which on accelerators persists between starts; opened here on CPU too),
+    and greedy output is the plain engine's; the programs of another k are not loaded."""
+    from jaxserve import executable_store
+    from jaxserve.spec_decode.draft_program import DraftPrograms, RoundPrograms
+    from jaxserve.spec_decode.fed_rounds import FedPrograms
+
+    monkeypatch.setattr(executable_store.ExecutableStore, "open",
+                        classmethod(lambda cls, cache_dir, platform, context: cls(str(tmp_path), context)))
+    # One start-up shape (the single stream's: 4 tokens, the shortest width), so that the test compiles little.
+    monkeypatch.setattr(RoundPrograms, "shapes", lambda self: [(4, self.runner.width_buckets[0])])
+    draft = llm.llm_engine.speculator.draft
+
+    def start(k):
+        programs = DraftPrograms(draft.runner, k)
+        fed = FedPrograms(programs, k)
+        programs.warmup()
+        fed.warmup()
+        return programs, fed
+
+    cold, warm = start(K), start(K)
+    assert [p.num_loaded_programs for p in cold] == [0, 0] and [p.num_loaded_programs for p in warm] == [1, 1]
+    assert len(list(tmp_path.glob("draft-k3-*.jxe"))) == len(list(tmp_path.glob("draft-fed-k3-*.jxe"))) == 1
+    prompts = [{"prompt_token_ids": _ids(3, 3)}]  # every round of 1..4 tokens: the stored programs
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    plain = completions(generate(llm, prompts, params, speculate=False))
+    saved, (draft.programs, draft.fed) = (draft.programs, draft.fed), warm
+    fed_rounds = llm.llm_engine.speculator.num_fed_rounds
+    try:
+        assert completions(generate(llm, prompts, params)) == plain
+    finally:
+        draft.programs, draft.fed = saved
+    assert llm.llm_engine.speculator.num_fed_rounds > fed_rounds
+    assert warm[0].num_lazy_compiles == warm[1].num_lazy_compiles == 0  # only the loaded programs ran
+    # Another k is another program: not served the stored one (its warm-up would compile and store its own).
+    other = DraftPrograms(draft.runner, K + 1)
+    shape = other.shapes()[0]
+    assert draft.runner._executable_store().load(warm[0]._store_name(shape), jax.devices()[:1]) is not None
+    assert draft.runner._executable_store().load(other._store_name(shape), jax.devices()[:1]) is None

@@ -256,3 +256,51 @@ def test_tensor_parallel(version, request):
         sp = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True) for s in (1, 2)]
         sampled = [{"prompt_token_ids": _ids(9, 50 + i)} for i in range(2)]
         assert completions(generate(llm, sampled, sp)) == completions(generate(tp1, sampled, sp))
+
+
+def test_round_programs_are_stored_and_loaded(llm, tmp_path, monkeypatch):
+    """A second start loads the head's round programs (its own and the fed ones) that an earlier start compiled
+    (the target runner's executable store, in a context that adds the head; on accelerators it persists between
+    starts, opened here on CPU too), and greedy output is the plain engine's; another head is not served them."""
+    from flax import nnx
+
+    from jaxserve import executable_store
+    from jaxserve.spec_decode.draft_program import RoundPrograms
+    from jaxserve.spec_decode.eagle import EaglePrograms
+    from jaxserve.spec_decode.fed_rounds import FedPrograms
+
+    monkeypatch.setattr(executable_store.ExecutableStore, "open",
+                        classmethod(lambda cls, cache_dir, platform, context: cls(str(tmp_path), context)))
+    # One start-up shape (the single stream's: 4 tokens, the shortest width), so that the test compiles little.
+    monkeypatch.setattr(RoundPrograms, "shapes", lambda self: [(4, self.runner.width_buckets[0])])
+    proposer = llm.llm_engine.speculator.draft
+    saved = proposer.programs, proposer.fed
+    head = nnx.merge(saved[0].head_graph, jax.tree.unflatten(saved[0].head_tree, saved[0].head_params))
+
+    def start():
+        programs = EaglePrograms(saved[0].runner, head, np.asarray(saved[0].d2t), saved[0].kv_caches, K)
+        fed = FedPrograms(programs, K)
+        programs.warmup()
+        fed.warmup()
+        return programs, fed
+
+    cold, warm = start(), start()
+    assert [p.num_loaded_programs for p in cold] == [0, 0] and [p.num_loaded_programs for p in warm] == [1, 1]
+    assert len(list(tmp_path.glob("eagle-k3-*.jxe"))) == len(list(tmp_path.glob("eagle-fed-k3-*.jxe"))) == 1
+    prompts = [{"prompt_token_ids": _ids(3, 3)}]  # every round of 1..4 pairs: the stored programs
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    plain = completions(generate(llm, prompts, params, speculate=False))
+    proposer.programs, proposer.fed = warm
+    fed_rounds = llm.llm_engine.speculator.num_fed_rounds
+    try:
+        assert completions(generate(llm, prompts, params)) == plain
+    finally:
+        proposer.programs, proposer.fed = saved
+        saved[0].kv_caches = warm[0].kv_caches  # the head's cache, donated through the warm programs' calls
+    assert llm.llm_engine.speculator.num_fed_rounds > fed_rounds
+    assert warm[0].num_lazy_compiles == warm[1].num_lazy_compiles == 0  # only the loaded programs ran
+    # Another head (here: an EAGLE-1 head of the same config) is another program, on the same target and shapes.
+    name = warm[0]._store_name(warm[0].shapes()[0])
+    assert warm[0]._store().load(name, jax.devices()[:1]) is not None
+    warm[0].head_config = (warm[0].head_config[0], 1)
+    assert warm[0]._store().load(name, jax.devices()[:1]) is None
