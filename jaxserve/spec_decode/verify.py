@@ -209,7 +209,9 @@ class VerifyRunner:
         if not isinstance(handle, VerifyHandle):
             out = self.runner.fetch(handle)
             return dataclasses.replace(out, emitted_token_ids=[[t] for t in out.sampled_token_ids])
-        packed, lp = jax.device_get((handle.packed, handle.logprobs))
+        lp = handle.logprobs
+        # Without logprobs one array: np.asarray skips device_get's pytree walk.
+        packed, lp = (np.asarray(handle.packed), None) if lp is None else jax.device_get((handle.packed, lp))
         rows = handle.num_rows
         emitted = [row[: row[-1]] for row in np.asarray(packed)[:rows].tolist()]  # row[-1]: num_emitted
         out = ModelRunnerOutput(sampled_token_ids=[e[0] for e in emitted], emitted_token_ids=emitted)
