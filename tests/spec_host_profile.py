@@ -44,6 +44,34 @@ def _timer(split: dict, label: str, fn):
     return wrapper
 
 
+FAKE_DEVICE = False
+
+
+def _fake_program(verifier):
+    """--fake-device: a stand-in for the compiled verify program that returns fixed arrays already on the device
+    (every step emits ``forced`` + 1 tokens of id 5), so the loop's host work is timed without the device's."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxserve.spec_decode.verify as verify_mod
+
+    cache = {}
+
+    def program(params, kv_caches, tok, seq, spec_rows, num_spec, *rest):
+        s = num_spec.shape[0]
+        if s not in cache:
+            tokens = jnp.full((s, verifier.k + 1), 5, jnp.int32)
+            num = jnp.full((s,), (verifier.forced or 0) + 1, jnp.int32)
+            out = (None, tokens, num)
+            if hasattr(verify_mod, "_packed"):  # this branch's program also returns the packed read back
+                out += (verify_mod._packed(tokens, num),)
+            jax.block_until_ready(out[1:])
+            cache[s] = (out, np)
+        return (*cache[s][0], kv_caches)
+
+    return program
+
+
 def instrument(engine) -> dict[str, float]:
     """Wrap the speculative loop's pieces in timers; returns the dict they add seconds to. Nested pieces (inside
     the verify dispatch, the update) are listed under their parent with a leading '  '."""
@@ -62,10 +90,13 @@ def instrument(engine) -> dict[str, float]:
     from_seqs = sm.from_seqs
     sm.from_seqs = _timer(split, "  SamplingMetadata.from_seqs", from_seqs)
     programs = v._programs
+    fake = _fake_program(v) if FAKE_DEVICE else None
 
     class TimedPrograms(dict):
         def get(self, key, default=None):
             p = dict.get(self, key, default)
+            if p is not None and fake is not None:
+                p = fake
             return None if p is None else _timer(split, "  jitted call (launch)", p)
 
     v._programs = TimedPrograms(programs)
@@ -110,9 +141,14 @@ def main() -> None:
                     help="per piece, over the runs: min is the least disturbed by other load on a shared machine")
     ap.add_argument("--model", default=None, help="a checkpoint instead of the tiny random Llama (GPU runs)")
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--fake-device", action="store_true",
+                    help="skip the verify program (fixed outputs already on the device): the host's work alone, "
+                    "steady on a loaded machine")  # fmt: skip
     ap.add_argument("--profile", type=int, default=0, help="also cProfile one run; print its top N functions")
     args = ap.parse_args()
 
+    global FAKE_DEVICE
+    FAKE_DEVICE = args.fake_device
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "forced_acceptance_length": args.accept}
     if args.model:
         llm = LLM(args.model, load_format=args.load_format, max_model_len=1024, speculative_config=spec)
