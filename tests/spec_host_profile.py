@@ -141,6 +141,8 @@ def main() -> None:
                     help="per piece, over the runs: min is the least disturbed by other load on a shared machine")
     ap.add_argument("--model", default=None, help="a checkpoint instead of the tiny random Llama (GPU runs)")
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the tiny model with this many layers (the jitted call's cost grows with its arrays)")
     ap.add_argument("--fake-device", action="store_true",
                     help="skip the verify program (fixed outputs already on the device): the host's work alone, "
                     "steady on a loaded machine")  # fmt: skip
@@ -153,8 +155,15 @@ def main() -> None:
     if args.model:
         llm = LLM(args.model, load_format=args.load_format, max_model_len=1024, speculative_config=spec)
     else:
+        path = checkpoint("llama_gqa")
+        if args.layers:
+            import tempfile
+
+            from tiny_models import make_tiny_checkpoint
+
+            path = make_tiny_checkpoint(tempfile.mkdtemp(), "llama_gqa", num_hidden_layers=args.layers)
         llm = LLM(
-            checkpoint("llama_gqa"), dtype="float32", max_model_len=512, max_num_seqs=8, block_size=16,
+            path, dtype="float32", max_model_len=512, max_num_seqs=8, block_size=16,
             compilation_cache_dir="", use_tqdm_on_load=False, speculative_config=spec,
         )  # fmt: skip
     vocab = llm.llm_engine.text_config.vocab_size
