@@ -290,6 +290,9 @@ class LLMEngine:
             self.loop_time["total_s"] += time.perf_counter() - start
             return outputs
         outputs: list[RequestOutput] = self._abort_failed_loras()
+        if self._deferred is not None or self._held_outputs:  # left by speculative steps (speculation switched off)
+            outputs = self._held_outputs + self._flush_deferred() + outputs
+            self._held_outputs = []
         if self._in_flight is not None and self.scheduler.has_pending_penalty_rows():
             # Penalties read the whole history on the host: let the in-flight token arrive first.
             outputs += self._finish(*self._in_flight)
