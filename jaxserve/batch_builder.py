@@ -37,11 +37,20 @@ def build_step_inputs(
     lora_slots: list[int] | None = None,  # [s_real]: each sequence's LoRA slot, with enable_lora
 ) -> StepInputs:
     """Flatten the ragged batch and pad it to (T, S, B). Padding as AttentionMetadata's docstring says."""
+    if len(seqs) == 1:
+        return _one_sequence(seqs[0], num_tokens_padded, num_seqs_padded, block_width, block_size, num_blocks, lora_slots)
+    return _ragged(seqs, num_tokens_padded, num_seqs_padded, block_width, block_size, num_blocks, lora_slots)
+
+
+def _ragged(
+    seqs: list[ScheduledSeq], t_pad: int, s_pad: int, block_width: int, block_size: int, num_blocks: int,
+    lora_slots: list[int] | None,
+) -> StepInputs:
+    """build_step_inputs for any batch: per-sequence lengths gathered once, then whole-array numpy operations."""
     s_real = len(seqs)
     q_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, s_real)  # [s_real]
     starts = np.fromiter((s.start_pos for s in seqs), np.int32, s_real)  # [s_real]
     t_real = int(q_lens.sum())
-    t_pad, s_pad = num_tokens_padded, num_seqs_padded
 
     input_ids = np.zeros(t_pad, np.int32)
     input_ids[:t_real] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, t_real)
@@ -93,6 +102,48 @@ def build_step_inputs(
         block_tables=block_tables,
         logits_indices=logits_indices,
     )
+
+
+def _one_sequence(
+    seq: ScheduledSeq, t_pad: int, s_pad: int, block_width: int, block_size: int, num_blocks: int,
+    lora_slots: list[int] | None,
+) -> StepInputs:
+    """build_step_inputs for a batch of one sequence (the single stream, where speculative decoding pays and
+    nothing hides the host's time between a verify step and the next): the same arrays in about half the numpy
+    calls, with no flattening, repeats or scatters."""
+    q = len(seq.token_ids)
+    start = seq.start_pos
+    end = start + q
+    input_ids = np.zeros(t_pad, np.int32)
+    input_ids[:q] = seq.token_ids
+    prev_index = np.full(t_pad, -1, np.int32)
+    if seq.num_placeholders:  # the last token comes from the device
+        prev_index[q - 1] = seq.prev_row
+        input_ids[q - 1] = 0
+    query_start_loc = np.full(s_pad + 1, q, np.int32)
+    query_start_loc[0] = 0
+    seq_lens = np.zeros(s_pad, np.int32)
+    seq_lens[0] = end
+    token_seq_ids = np.full(t_pad, s_pad - 1, np.int32)
+    token_seq_ids[:q] = 0
+    positions = np.zeros(t_pad, np.int32)
+    positions[:q] = range(start, end)
+    needed = -(-end // block_size)
+    if len(seq.block_ids) < needed:
+        raise ValueError(f"sequence {seq.req_id!r} holds {len(seq.block_ids)} blocks but needs {needed}")
+    block_tables = np.zeros((s_pad, block_width), np.int32)
+    block_tables[0, :needed] = seq.block_ids[:needed]
+    slot_mapping = np.full(t_pad, num_blocks * block_size, np.int32)  # out of range: write dropped
+    tok_pos = positions[:q]
+    slot_mapping[:q] = block_tables[0, tok_pos // block_size] * block_size + tok_pos % block_size
+    logits_indices = np.zeros(s_pad, np.int32)
+    logits_indices[0] = q - 1
+    token_lora_slots = None
+    if lora_slots is not None:
+        token_lora_slots = np.zeros(t_pad, np.int32)
+        token_lora_slots[:q] = lora_slots[0]
+    return StepInputs(input_ids, prev_index, positions, slot_mapping, token_seq_ids, query_start_loc, seq_lens,
+                      block_tables, logits_indices, token_lora_slots)  # fmt: skip
 
 
 def _block_tables(seqs: list[ScheduledSeq], num_blocks: np.ndarray, s_pad: int, block_width: int) -> np.ndarray:

@@ -81,6 +81,10 @@ class LLMEngine:
             self.scheduler.lora_ready = self.runner.lora.is_ready
         self.mm_processor = getattr(c, "mm_processor", None)  # vision-language models only
         self._in_flight: Optional[tuple[SchedulerOutput, StepHandle]] = None  # dispatched, not yet read
+        # With speculation: the last step's applied output, whose processing runs during the next verify step, and
+        # outputs that processing gave outside a step (an abort flushed it), for the next step() to return.
+        self._deferred: Optional[tuple[list[Request], dict, Any]] = None
+        self._held_outputs: list[RequestOutput] = []
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         # Where the loop's time goes: seconds inside step() in all, and of those, blocked reading a
@@ -257,6 +261,9 @@ class LLMEngine:
         """Stop requests at once and free their KV blocks; unknown ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        # The last step's deferred processing first: its tokens belong in an aborted request's output. Other
+        # requests' outputs from it wait for the next step() (has_unfinished_requests says there is one).
+        self._held_outputs += self._flush_deferred()
         outputs = []
         for rid in request_ids:
             children = self.output_processor.child_ids(rid)
@@ -266,6 +273,9 @@ class LLMEngine:
             out = self.output_processor.abort(rid)
             if out is not None:
                 outputs.append(out)
+        if self._held_outputs and outputs:  # an aborted request's final output replaces its held one
+            aborted = {out.request_id for out in outputs}
+            self._held_outputs = [out for out in self._held_outputs if out.request_id not in aborted]
         return outputs
 
     # ------------------------------------------------------------------ the loop
@@ -280,6 +290,9 @@ class LLMEngine:
             self.loop_time["total_s"] += time.perf_counter() - start
             return outputs
         outputs: list[RequestOutput] = self._abort_failed_loras()
+        if self._deferred is not None or self._held_outputs:  # left by speculative steps (speculation switched off)
+            outputs = self._held_outputs + self._flush_deferred() + outputs
+            self._held_outputs = []
         if self._in_flight is not None and self.scheduler.has_pending_penalty_rows():
             # Penalties read the whole history on the host: let the in-flight token arrive first.
             outputs += self._finish(*self._in_flight)
@@ -304,19 +317,44 @@ class LLMEngine:
 
     def _speculative_step(self) -> list[RequestOutput]:
         """Schedule, verify the proposals, read back, propose again: one step at a time, since the next step's
-        proposals depend on what this one accepts (jaxserve.spec_decode.speculator)."""
+        proposals depend on what this one accepts (jaxserve.spec_decode.speculator).
+
+        The one piece of a step's host work that the next step does not need is its output processing
+        (detokenizing, stop strings, RequestOutputs): it is deferred to the next call and runs there between the
+        verify step's launch and its read back, while the device computes. So outputs come one call late, as in
+        the asynchronous loop, and a stop string ends its request one step late: the step computed meanwhile is
+        dropped for it (its row is skipped as a finished request's). A step in which a request finished (EOS, a
+        stop token, a length limit) is processed at once, so a final output comes without delay; otherwise
+        ``has_unfinished_requests`` stays true while an output waits, so the caller's loop makes the call."""
         sched = self.scheduler.schedule()
+        outputs, self._held_outputs = self._held_outputs, []
         if sched.is_empty:
-            return []
+            return outputs + self._flush_deferred()
         self._count_prompt_tokens(sched)
-        outputs = self._finish(sched, self.speculator.dispatch(sched, self.scheduler.kv))
+        handle = self.speculator.dispatch(sched, self.scheduler.kv)
+        outputs += self._flush_deferred()  # while the device runs the verify step
+        applied = self._apply(sched, handle)
         propose_start = time.perf_counter()
         self.speculator.propose(self.scheduler.running, self.scheduler.kv)
         self.loop_time["propose_s"] += time.perf_counter() - propose_start
+        if any(r.status.finished for r in applied[0]):
+            outputs += self._process(*applied)
+        else:
+            self._deferred = applied
         return outputs
+
+    def _flush_deferred(self) -> list[RequestOutput]:
+        """Process the output of the last speculative step now, if it was deferred."""
+        deferred, self._deferred = self._deferred, None
+        return self._process(*deferred) if deferred is not None else []
 
     def _finish(self, sched: SchedulerOutput, handle: "StepHandle") -> list[RequestOutput]:
         """Read a dispatched step's tokens back and apply them: stops, detokenizing, outputs."""
+        return self._process(*self._apply(sched, handle))
+
+    def _apply(self, sched: SchedulerOutput, handle: "StepHandle") -> tuple[list[Request], dict, Any]:
+        """Read a dispatched step's tokens back and apply them to the requests (tokens, stop checks, blocks):
+        (requests updated, their logprobs rows, the runner's output), for ``_process``."""
         wait_start = time.perf_counter()
         if self.speculator is not None:
             runner_out = self.speculator.fetch(sched, handle)
@@ -333,6 +371,10 @@ class LLMEngine:
             self.num_generation_tokens += sum(r.num_output_tokens for r in sched.requests) - before
         else:
             self.num_generation_tokens += len(updated)
+        return updated, rows, runner_out
+
+    def _process(self, updated: list[Request], rows: dict, runner_out) -> list[RequestOutput]:
+        """Detokenize, apply stop strings (finishing those requests) and build the outputs of an applied step."""
         outputs, stopped = self.output_processor.process(updated, rows, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -344,7 +386,8 @@ class LLMEngine:
                 self.num_prompt_tokens += min(len(seq.token_ids), seq.num_prompt_tokens - seq.start_pos)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or (with speculation) a step's outputs still to be returned by step()."""
+        return self.scheduler.has_unfinished_requests() or self._deferred is not None or bool(self._held_outputs)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler

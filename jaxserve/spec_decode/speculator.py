@@ -64,8 +64,9 @@ class Speculator:
         if self.ngram is not None:
             pad = self.config.forced_acceptance_length is not None  # benchmarks: always verify k proposals
             for r in eligible:
-                proposal = self.ngram.propose(r.all_token_ids, self.k)
+                proposal = self.ngram.propose(r.all_token_ids, self.k, key=r)
                 r.spec_token_ids = (proposal + [r.all_token_ids[-1]] * self.k)[: self.k] if pad else proposal
+            self.ngram.retain(running)  # the token buffers of requests still running (finished ones' go)
         elif self.draft is not None:
             if self._fed is not None:
                 fed, emitted = self._fed

@@ -1,5 +1,6 @@
 """speculative_config parsing and errors, the CLI flag, the n-gram proposer, and the metrics' names."""
 
+import numpy as np
 import pytest
 
 from jaxserve.cli import build_parser, engine_args_from, parse_args
@@ -53,6 +54,44 @@ def test_ngram_proposer():
     assert p.propose([5, 6, 7, 8], 3) == []
     assert p.propose([5, 6, 5], 3) == [6, 5]  # what follows is shorter than k near the end
     assert NgramProposer(2, 2).propose([1, 2, 3, 2], 2) == []  # "3 2" never seen; a 1-gram is not tried
+
+
+def _reference_propose(token_ids, k, lo, hi):
+    """The proposer's first version (a sliding-window search per n), kept as the reference of its rule."""
+    tokens = np.asarray(token_ids, np.int64)
+    length = len(tokens)
+    for n in range(min(hi, length - 1), lo - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4), (1, 1), (3, 3)])
+def test_ngram_proposer_matches_the_reference(lo, hi):
+    """The one-pass search gives the sliding-window search's proposals, with and without a growing buffer (a
+    sequence extended a few tokens at a time, sometimes truncated as a stop string does; finished ones retained away)."""
+    rng = np.random.default_rng(lo * 10 + hi)
+    p = NgramProposer(lo, hi)
+    for trial in range(30):
+        vocab = int(rng.integers(2, 8))  # small vocabularies: many partial matches
+        seq = rng.integers(0, vocab, int(rng.integers(1, 12))).tolist()
+        key = object()
+        for _ in range(25):
+            k = int(rng.integers(1, 5))
+            want = _reference_propose(seq, k, lo, hi)
+            assert p.propose(seq, k) == want, (seq, k)
+            assert p.propose(seq, k, key=key) == want, (seq, k)
+            if rng.random() < 0.1:  # truncated (a stop string, Request.truncate_output): the buffer starts over
+                del seq[int(rng.integers(1, len(seq))) if len(seq) > 1 else 1 :]
+            else:  # a request's tokens otherwise only grow, by one step's tokens
+                seq += rng.integers(0, vocab, int(rng.integers(1, 6))).tolist()
+        p.retain([key])
+        assert len(p._buffers) == 1
+    p.retain([])
+    assert not p._buffers
 
 
 def test_metrics_names_and_rates():

@@ -45,7 +45,7 @@ class _Oracle:
     def __init__(self, refs):
         self.refs = refs  # list of full reference sequences (prompt + output)
 
-    def propose(self, tokens, k):
+    def propose(self, tokens, k, key=None):  # NgramProposer's interface (key: its per-request buffer, unused here)
         for full in self.refs:
             if full[: len(tokens)] == tokens:
                 proposal = list(full[len(tokens) : len(tokens) + k])
@@ -54,6 +54,9 @@ class _Oracle:
                     proposal[bad] = (proposal[bad] + 1) % 500 + 2
                 return proposal
         return []
+
+    def retain(self, keys):
+        pass
 
 
 def _params_mix(stop_tok, stop_str):
@@ -192,3 +195,35 @@ def test_verify_programs_are_stored_and_loaded(llm, tmp_path, monkeypatch):
         assert warm.num_lazy_compiles == 0  # the single stream ran the loaded program only
     finally:
         runner.runner_config, spec_.verifier = saved_config, saved_verifier
+
+
+def test_streamed_outputs_with_deferred_processing(llm):
+    """With speculation a step's output processing runs during the next verify step (LLMEngine._speculative_step):
+    streamed (cumulative) outputs still end as the plain engine's, across a stop token, a stop string found a step
+    late and max_tokens; an abort between steps includes the last step's tokens, and its final output is the last."""
+    prompts, params = _prompts_and_params(llm)
+    prompts, params = prompts[:4], params[:4]  # no stop / stop token / stop string / max_tokens inside a step
+    plain = generate(llm, prompts, params, speculate=False)
+    engine = llm.llm_engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"s{i}", p, sp)  # cumulative: an output every step
+    finals, deferred_steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id not in finals  # nothing after a final output
+            if out.finished:
+                finals[out.request_id] = out
+        deferred_steps += engine._deferred is not None
+    assert deferred_steps > 3
+    assert _summary([finals[f"s{i}"] for i in range(4)]) == _summary(plain)
+
+    engine.add_request("a", prompts[0], params[0])
+    for _ in range(4):
+        engine.step()
+    assert engine._deferred is not None
+    tokens = list(engine.scheduler.requests["a"].output_token_ids)
+    (aborted,) = engine.abort_request("a")
+    assert aborted.finished and aborted.outputs[0].token_ids == tokens
+    assert plain[0].outputs[0].text.startswith(aborted.outputs[0].text) and aborted.outputs[0].text
+    while engine.has_unfinished_requests():
+        assert engine.step() == []  # the held output of the aborted request is dropped

@@ -53,7 +53,7 @@ class _Oracle:
     def __init__(self, refs):
         self.refs = refs
 
-    def propose(self, tokens, k):
+    def propose(self, tokens, k, key=None):  # NgramProposer's interface (key: its per-request buffer, unused here)
         for full in self.refs:
             if full[: len(tokens)] == tokens:
                 proposal = list(full[len(tokens) : len(tokens) + k])
@@ -62,6 +62,9 @@ class _Oracle:
                     proposal[bad] = (proposal[bad] + 1) % 500 + 2
                 return proposal
         return []
+
+    def retain(self, keys):
+        pass
 
 
 def test_pure_verify_steps_run_the_decode_kernel_exactly():
