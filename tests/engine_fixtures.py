@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -11,6 +12,23 @@ import jax
 from tiny_models import VARIANTS, make_tiny_checkpoint
 
 _ROOT = tempfile.mkdtemp(prefix="jaxserve-tiny-")
+
+
+@contextlib.contextmanager
+def fresh_compiles():
+    """Inside, programs compile for real: no reads from JAX's persistent compilation cache, which earlier tests
+    fill. XLA:CPU cannot serialize again an executable it loaded from that cache (the copy lacks its fusions'
+    code: "Function ... not found" when run), and the executable-store tests store what they compile."""
+    from jax._src import compilation_cache  # reset_cache: is_cache_used() remembers its first answer
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_fixtures import checkpoint, generate, small_engine_kwargs
+from engine_fixtures import checkpoint, fresh_compiles, generate, small_engine_kwargs
 
 from jaxserve import LLM, SamplingParams
 
@@ -183,10 +183,11 @@ def test_verify_programs_are_stored_and_loaded(llm, tmp_path, monkeypatch):
     saved_config, saved_verifier = runner.runner_config, spec_.verifier
     runner.runner_config = dataclasses.replace(saved_config, precompile="common")  # one shape: the single stream's
     try:
-        cold = VerifyRunner(runner, K)
-        cold.warmup()
-        warm = VerifyRunner(runner, K)
-        warm.warmup()
+        with fresh_compiles():  # the cold start compiles what it stores, as on a fresh machine
+            cold = VerifyRunner(runner, K)
+            cold.warmup()
+            warm = VerifyRunner(runner, K)
+            warm.warmup()
         assert cold.num_loaded_programs == 0 and warm.num_loaded_programs == len(warm.startup_shapes()) == 1
         assert len(list(tmp_path.glob("verify-k3-*-pure-*.jxe"))) == 1
         spec_.verifier = warm
