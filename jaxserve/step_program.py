@@ -89,6 +89,24 @@ def compile_in_parallel(lowered: dict) -> dict:
         return {key: job.result() for key, job in jobs.items()}
 
 
+def load_or_compile(store, devices: list, shapes, name_of, lower) -> tuple[dict, int]:
+    """Programs for ``shapes``: each loaded from the executable ``store`` under ``name_of(shape)`` when an earlier
+    start saved it there, else lowered by ``lower(shape)``, compiled side by side and saved. ``store`` None (CPU):
+    everything compiles. Returns ({shape: program}, how many were loaded)."""
+    programs, lowered = {}, {}
+    for shape in shapes:
+        program = store.load(name_of(shape), devices) if store is not None else None
+        if program is not None:
+            programs[shape] = program
+        else:
+            lowered[shape] = lower(shape)
+    compiled = compile_in_parallel(lowered)
+    if store is not None:
+        for shape, program in compiled.items():
+            store.save(name_of(shape), program)
+    return {**programs, **compiled}, len(programs)
+
+
 def pack_inputs(x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
     """StepInputs -> (tok_fields [5, T] (or [6, T] with LoRA slots), seq_fields [S, 3 + B]), int32.
     query_start_loc[0] is always 0 and is left out, so that the per-sequence fields share one row each."""

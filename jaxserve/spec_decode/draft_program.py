@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.step_program import compile_in_parallel, unpack_inputs
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import argmax
+from jaxserve.step_program import load_or_compile, unpack_inputs
 
 
 def unrolled() -> bool:
@@ -165,21 +165,11 @@ class RoundPrograms:
         import time
 
         start = time.perf_counter()
-        store = self._store()
-        devices = list(self.runner.mesh.devices.flat)
-        lowered = {}
-        for shape in self.shapes():
-            program = store.load(self._store_name(shape), devices) if store is not None else None
-            if program is not None:
-                self._programs[shape] = program
-            else:
-                lowered[shape] = self._lower(shape, (*self._lead(), *self._args(shape)))
-        compiled = compile_in_parallel(lowered)
-        self._programs.update(compiled)
-        if store is not None:
-            for shape, program in compiled.items():
-                store.save(self._store_name(shape), program)
-        self.num_loaded_programs = store.hits if store is not None else 0
+        programs, self.num_loaded_programs = load_or_compile(
+            self._store(), list(self.runner.mesh.devices.flat), self.shapes(), self._store_name,
+            lambda shape: self._lower(shape, (*self._lead(), *self._args(shape))),
+        )  # fmt: skip
+        self._programs.update(programs)
         return time.perf_counter() - start
 
     def _store(self):

@@ -26,11 +26,17 @@ from jaxserve import buckets
 from jaxserve.batch_builder import build_step_inputs
 from jaxserve.kv_scale_calibration import with_kv_scales
 from jaxserve.model_runner import ModelRunner
-from jaxserve.step_program import compile_in_parallel, dummy_inputs, pack_inputs, run_model, unpack_inputs
 from jaxserve.sampler import _with_logprobs
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.spec_decode.rejection import accept
+from jaxserve.step_program import (
+    dummy_inputs,
+    load_or_compile,
+    pack_inputs,
+    run_model,
+    unpack_inputs,
+)
 
 logger = logging.getLogger("jaxserve")
 
@@ -174,27 +180,20 @@ class VerifyRunner:
         instead of traced, and each one compiled here is stored. The sampled-acceptance programs (small) compile
         on first use."""
         start, r = time.perf_counter(), self.runner
-        store = r._executable_store()
-        devices = list(r.mesh.devices.flat)
-        lowered = {}
-        for shape in self.startup_shapes():
-            program = store.load(self._store_name(shape), devices) if store is not None else None
-            if program is not None:
-                self._programs[shape] = program
-                continue
+
+        def lower(shape):
             t, b, n, pure = shape
             s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
             x = dummy_inputs(t, s, b, r.num_blocks * r.block_size)
             rows = np.zeros((4, n), np.int32)
             rows[1], rows[2] = -1, s
             args = (*pack_inputs(x), rows, np.zeros(s, np.int32), r._kv_scales_arr)
-            lowered[shape] = self._steps[pure].lower(r.params, r.kv_caches, *args)
-        compiled = compile_in_parallel(lowered)
-        self._programs.update(compiled)
-        if store is not None:
-            for shape, program in compiled.items():
-                store.save(self._store_name(shape), program)
-        self.num_loaded_programs = store.hits if store is not None else 0
+            return self._steps[pure].lower(r.params, r.kv_caches, *args)
+
+        programs, self.num_loaded_programs = load_or_compile(
+            r._executable_store(), list(r.mesh.devices.flat), self.startup_shapes(), self._store_name, lower
+        )  # fmt: skip
+        self._programs.update(programs)
         return time.perf_counter() - start
 
     def _store_name(self, shape: tuple[int, int, int, bool]) -> str:
