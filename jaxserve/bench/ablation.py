@@ -54,8 +54,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--eager-scale", "--eager_scale", dest="eager_scale", type=float, default=0.125,
                    help="the eager row's input and output lengths are scaled by this (1: the same workload)")
     p.add_argument("--reuse", default=None, metavar="JSON",
-                   help="take the hf and default rows from this `bench throughput --compare-hf` result of the same "
-                        "workload and engine flags instead of running them again")
+                   help="take rows from this earlier result of the same workload and engine flags instead of running "
+                        "them again: a `bench throughput --compare-hf` JSON (its hf and default rows) or an earlier "
+                        "ablation.json (every row it finished; lets one table span several runs)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per row")
     p.add_argument("--output-dir", "--output_dir", dest="output_dir", default="ablation",
                    help="writes ablation.json and ablation.png here")
@@ -106,12 +107,18 @@ def run(ns: argparse.Namespace) -> int:
     workload = dict(num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
                     range_ratio=ns.range_ratio)
     os.makedirs(ns.output_dir, exist_ok=True)
-    reused = _reusable(ns.reuse, workload, base) if ns.reuse else {}
-    rows = []
+    reused = _reusable(ns.reuse, workload, base, ns.eager_scale) if ns.reuse else {}
+    out_json = os.path.join(ns.output_dir, "ablation.json")
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": dev["kind"], "platform": dev["platform"],
+        "jax": dev["jax"], "python": platform.python_version(), "command": " ".join(sys.argv),
+        "workload": workload, "eager_scale": ns.eager_scale, "engine_args": base, "rows": [],
+    }
+    rows = result["rows"]
     for name in rows_wanted:
         if name in reused:
             print(f"ablation: {name}: taken from {ns.reuse}")
-            rows.append({"row": name, "note": NOTES[name], **reused[name], "workload": workload, "reused_from": ns.reuse})
+            rows.append({"row": name, "note": NOTES[name], "workload": workload, **reused[name], "reused_from": ns.reuse})
             _print_row(rows[-1])
             continue
         print(f"ablation: {name}: running...", flush=True)
@@ -134,15 +141,10 @@ def run(ns: argparse.Namespace) -> int:
                    "dtype": engine_args["dtype"] if engine_args["dtype"] != "auto" else dtype}
         rows.append({"row": name, "note": NOTES[name], **row})
         _print_row(rows[-1])
+        # Written after every row: a run cut short by its time limit keeps the rows it finished (--reuse takes them).
+        _write(result, out_json)
     add_speedups(rows)
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": dev["kind"], "platform": dev["platform"],
-        "jax": dev["jax"], "python": platform.python_version(), "command": " ".join(sys.argv),
-        "workload": workload, "eager_scale": ns.eager_scale, "engine_args": base, "rows": rows,
-    }
-    out_json = os.path.join(ns.output_dir, "ablation.json")
-    with open(out_json, "w") as f:
-        json.dump(result, f, indent=1)
+    _write(result, out_json)
     print(format_table(rows))
     print(f"ablation: wrote {out_json}")
     out_png = os.path.join(ns.output_dir, "ablation.png")
@@ -167,14 +169,29 @@ def add_speedups(rows: list[dict]) -> None:
             r["speedup_vs_hf_same_dtype"] = r["output_tokens_per_s"] / same["output_tokens_per_s"]
 
 
-def _reusable(path: str, workload: dict, engine_args: dict) -> dict:
-    """The hf and default rows from a `bench throughput` JSON, after checking it measured the same thing."""
+def _write(result: dict, path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _reusable(path: str, workload: dict, engine_args: dict, eager_scale: float) -> dict:
+    """Finished rows of an earlier result, after checking it measured the same thing.
+
+    An ablation.json gives every row it finished; a `bench throughput` JSON gives its default and hf rows.
+    """
     with open(path) as f:
         res = json.load(f)
     if res.get("workload") != workload:
         raise ValueError(f"--reuse {path}: its workload {res.get('workload')} is not this one {workload}")
     if res.get("engine_args") not in (None, engine_args):
         raise ValueError(f"--reuse {path}: it ran with other engine flags than these")
+    if "rows" in res:
+        if res.get("eager_scale") != eager_scale and any(r["row"] == "eager" for r in res["rows"]):
+            raise ValueError(f"--reuse {path}: its eager row ran at --eager-scale {res.get('eager_scale')}, "
+                             f"not {eager_scale}; pass --eager-scale {res.get('eager_scale')} or run the row again")
+        keep = ("output_tokens_per_s", "dtype", "batch_size", "workload")
+        return {r["row"]: {k: r[k] for k in keep if k in r} for r in res["rows"] if "output_tokens_per_s" in r}
     rows = {"default": {"output_tokens_per_s": res["output_tokens_per_s"], "dtype": res["engine_info"]["dtype"]}}
     if "hf" in res:
         rows["hf"] = {"output_tokens_per_s": res["hf"]["output_tokens_per_s"], "dtype": res["hf"]["dtype"],

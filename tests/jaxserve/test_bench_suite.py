@@ -100,6 +100,26 @@ def test_fp32_rows_compare_with_hf_in_float32():
     assert ablation.parse_rows("hf-fp32,hf") == ["hf", "hf-fp32"]
 
 
+def test_ablation_reuses_the_rows_an_earlier_ablation_finished(tmp_path):
+    work = {"num_prompts": 4, "input_len": 8, "output_len": 4, "range_ratio": 0.0}
+    scaled = {**work, "input_len": 1, "output_len": 2}
+    earlier = {"workload": work, "engine_args": {"model": "m"}, "eager_scale": 0.125, "rows": [
+        {"row": "hf", "dtype": "bfloat16", "batch_size": 64, "output_tokens_per_s": 10.0, "workload": work},
+        {"row": "eager", "dtype": "bfloat16", "output_tokens_per_s": 2.0, "workload": scaled},
+        {"row": "fp32", "error": "timed out after 200 s", "workload": work}]}
+    path = tmp_path / "ablation.json"
+    path.write_text(json.dumps(earlier))
+    rows = ablation._reusable(str(path), work, {"model": "m"}, 0.125)
+    assert set(rows) == {"hf", "eager"}  # a failed row is run again
+    assert rows["eager"]["workload"] == scaled and rows["hf"]["batch_size"] == 64
+    with pytest.raises(ValueError, match="--eager-scale 0.125"):
+        ablation._reusable(str(path), work, {"model": "m"}, 0.5)
+    with pytest.raises(ValueError, match="workload"):
+        ablation._reusable(str(path), {**work, "num_prompts": 8}, {"model": "m"}, 0.125)
+    with pytest.raises(ValueError, match="engine flags"):
+        ablation._reusable(str(path), work, {"model": "other"}, 0.125)
+
+
 def _run(argv):
     ns = build_parser().parse_args(argv)
     assert ns.func(ns) == 0
