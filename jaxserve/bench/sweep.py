@@ -161,8 +161,11 @@ def _run_child(args: dict, workload: dict, timeout: float) -> dict:
         cmd = [sys.executable, "-m", "jaxserve.bench.sweep", req, res]
         try:
             proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f}s"}
+        except subprocess.TimeoutExpired as e:
+            # Say how far the child got (start-up compiles, warm-up or the timed run): a row that never
+            # finished building its engine needs a longer --timeout, not a faster engine.
+            phase = _last_phase(e.stdout, e.stderr)
+            return {"error": f"timed out after {timeout:.0f}s" + (f" ({phase})" if phase else "")}
         if proc.returncode != 0 or not os.path.exists(res):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             return {"error": f"exit code {proc.returncode}: {' | '.join(tail)}"}
@@ -170,7 +173,21 @@ def _run_child(args: dict, workload: dict, timeout: float) -> dict:
             return json.load(f)
 
 
+PHASE_PREFIX = "bench child: "  # the child's progress lines on stderr, quoted when it is killed
+
+
+def _last_phase(stdout, stderr) -> str:
+    """The child's last `bench child:` line, from whatever output a killed child left."""
+    text = "\n".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (stdout, stderr) if x)
+    lines = [ln.strip() for ln in text.replace("\r", "\n").splitlines() if ln.startswith(PHASE_PREFIX)]
+    return lines[-1][len(PHASE_PREFIX):] if lines else ""
+
+
 # ---------------------------------------------------------------- one configuration (child process)
+
+
+def _phase(text: str) -> None:
+    print(PHASE_PREFIX + text, file=sys.stderr, flush=True)
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -187,6 +204,7 @@ def measure(engine_args: dict, workload: dict) -> tuple[dict, object]:
     from jaxserve.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
+    _phase("building the engine (loading weights, compiling step shapes)")
     llm = LLM(**engine_args, use_tqdm_on_load=False)
     startup_s = time.perf_counter() - t0
     engine = llm.llm_engine
@@ -195,7 +213,9 @@ def measure(engine_args: dict, workload: dict) -> tuple[dict, object]:
                            workload["range_ratio"], vocab, seed=0, token_range=(min(100, vocab // 2), min(vocab, 32000)))
     prompts = [{"prompt_token_ids": w.prompt_token_ids} for w in work]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=w.output_len) for w in work]
+    _phase(f"engine ready after {startup_s:.0f} s; warming up")
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # host-side warm-up; step shapes are precompiled
+    _phase(f"warm after {time.perf_counter() - t0:.0f} s; timing the workload")
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

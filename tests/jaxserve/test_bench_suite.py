@@ -120,6 +120,22 @@ def test_ablation_reuses_the_rows_an_earlier_ablation_finished(tmp_path):
         ablation._reusable(str(path), work, {"model": "other"}, 0.125)
 
 
+def test_a_killed_row_says_how_far_its_child_got(monkeypatch):
+    import subprocess
+
+    from jaxserve.bench import sweep
+
+    def killed(cmd, timeout, **kw):
+        err = (b"Loading weights 100%\rbench child: building the engine (loading weights, compiling step shapes)\n"
+               b"Compiling step shapes:  40%|####      | 20/51\r")
+        raise subprocess.TimeoutExpired(cmd, timeout, output=None, stderr=err)
+
+    monkeypatch.setattr(subprocess, "run", killed)
+    row = sweep._run_child({}, {}, 200.0)
+    assert row["error"] == "timed out after 200s (building the engine (loading weights, compiling step shapes))"
+    assert sweep._last_phase("", None) == ""
+
+
 def _run(argv):
     ns = build_parser().parse_args(argv)
     assert ns.func(ns) == 0
