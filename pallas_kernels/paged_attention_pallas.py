@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.pallas_kernels import fp8, kv_layout, kv_write, mosaic_prefill
+from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels import triton_common as tc
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.reference import write_kv
@@ -69,6 +70,23 @@ class GpuKernelConfig:
     # The KV write ahead of the kernels: "pallas" (``kv_write``: whole-row copies) or "xla" (the reference's
     # scatter, which measured 6x slower than a copy for prefill on the H200).
     kv_write: str = "pallas"
+    # float32 products at HIGHEST precision run as IEEE FMAs on the CUDA cores, with no tensor-core
+    # fragments to keep the tiles small: the bf16-sized tiles above then spill (sm_90 SASS of the prefill
+    # kernel: 22 KB of stack a thread, 110k instructions, 52 s of ptxas for one kernel). True: such calls
+    # take FP32_FMA_TILES instead.
+    fp32_fma_tiles: bool = True
+
+
+# Tiles of float32-IEEE products (fp32_fma_tiles), chosen from static sm_90 builds on the CPU (2026-12-02):
+# the prefill kernel at 64 rows x 16 tokens, 8 warps: 312 B of stack, 3.7k instructions, 2.5 s of ptxas;
+# the decode kernel at 32 tokens, 8 warps: no stack, 1.1k instructions (default tiles: 7.7 KB, 14k).
+FP32_FMA_TILES = dict(prefill_rows=64, prefill_tile_tokens=16, prefill_warps=8, decode_tile_tokens=32, decode_warps=8)
+
+
+def kernel_config_for(cfg: GpuKernelConfig, q_dtype, precision) -> GpuKernelConfig:
+    """``cfg`` with FP32_FMA_TILES when the kernels' products are float32 FMAs (float32 q at HIGHEST)."""
+    fma = jnp.dtype(q_dtype) == jnp.float32 and prec.resolve(precision, q_dtype) == jax.lax.Precision.HIGHEST
+    return dataclasses.replace(cfg, **FP32_FMA_TILES) if cfg.fp32_fma_tiles and fma else cfg
 
 
 # Programs the decode grid aims for before it splits contexts: enough to keep the H200's 132 SMs
@@ -190,7 +208,7 @@ def ragged_attention_gpu(
     v_token_minor: bool = False,  # v_pages is [N, K, D, P] (kv_layout.py)
 ) -> jax.Array:  # [T, H, D]
     """Attention only (no KV write), same semantics as ``ragged_paged_attention_reference``."""
-    cfg = config or GpuKernelConfig()
+    cfg = kernel_config_for(config or GpuKernelConfig(), q.dtype, precision)
     if interpret and cfg.v_mask == "load":
         # Pallas's interpreter cannot discharge a masked gather; "where" computes the same values.
         cfg = dataclasses.replace(cfg, v_mask="where")

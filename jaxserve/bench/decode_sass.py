@@ -41,20 +41,11 @@ def lower_decode_ttir(fmt: str, v_minor: bool, tile: int) -> str:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax._src.pallas.triton import pallas_call_registration as reg
 
     from jaxserve.bench.attention import D, H, K, P
     from jaxserve.pallas_kernels import fp8, kv_layout
     from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig, ragged_attention_gpu
     from jaxserve.pallas_kernels.random_batch import make_batch
-
-    captured = []
-    lower = reg.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*a, **kw):
-        result = lower(*a, **kw)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
 
     batch = make_batch(np.random.default_rng(0), q_lens=[1] * 4, ctx_lens=[256] * 4, num_heads=H, num_kv_heads=K,
                        head_dim=D, block_size=P)  # fmt: skip
@@ -68,32 +59,64 @@ def lower_decode_ttir(fmt: str, v_minor: bool, tile: int) -> str:
     fn = jax.jit(lambda q, k, v, md: ragged_attention_gpu(
         q, k, v, md, scale=D**-0.5, interpret=False, config=cfg, v_token_minor=v_minor
     ))  # fmt: skip
-    reg.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.export.export(fn, platforms=["cuda"])(batch.q, k, v, md)
-    except ValueError:  # the export's custom-call check, after lowering
-        pass
-    finally:
-        reg.lowering.lower_jaxpr_to_triton_module = lower
+    captured = triton_modules(fn, batch.q, k, v, md)
     if len(captured) != 1:
         raise RuntimeError(f"expected one Triton kernel (the decode kernel), lowered {len(captured)}")
     return captured[0]
 
 
-def compile_sass(ttir_path: str, warps: int, stages: int) -> str:
-    """cuobjdump -sass of the kernel compiled by the triton package for sm_90."""
+def triton_modules(fn, *args) -> list[str]:
+    """The Triton IR (MLIR text) of every Pallas Triton kernel in ``fn(*args)``, lowered for "cuda" on any machine.
+
+    ``jax.export`` lowers for the GPU without one; its compatibility check then refuses the Triton custom
+    call, after the lowering this captures.
+    """
+    import jax
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    captured = []
+    lower = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        result = lower(*a, **kw)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.export.export(fn, platforms=["cuda"])(*args)
+    except ValueError:  # the export's custom-call check, after lowering
+        pass
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = lower
+    return captured
+
+
+def compile_cubin(ttir_path: str, warps: int, stages: int) -> str:
+    """Compile a kernel's Triton IR for sm_90 with the triton package; returns the .cubin's path."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
     except ImportError:
-        raise SystemExit("jaxserve.bench.decode_sass needs the triton package: pip install triton") from None
+        raise SystemExit("this tool needs the triton package (ptxas and cuobjdump come with it): pip install triton") from None
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
     kernel = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     cubin = ttir_path.rsplit(".", 1)[0] + ".cubin"
     with open(cubin, "wb") as f:
         f.write(kernel.asm["cubin"])
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    return cubin
+
+
+def cuobjdump(*args: str) -> str:
+    import triton
+
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return subprocess.run([exe, *args], check=True, capture_output=True, text=True).stdout
+
+
+def compile_sass(ttir_path: str, warps: int, stages: int) -> str:
+    """cuobjdump -sass of the kernel compiled by the triton package for sm_90."""
+    return cuobjdump("-sass", compile_cubin(ttir_path, warps, stages))
 
 
 def loop_mixes(sass: str) -> list[dict]:

@@ -75,3 +75,20 @@ def test_float32_prefill_never_takes_the_mosaic_kernel():
     assert not _use_mosaic_prefill(GpuKernelConfig(), q, 16, None, interpret=False)  # "auto": Triton
     with pytest.raises(ValueError, match="prefill_impl='mosaic' cannot run here: dtype float32"):
         _use_mosaic_prefill(GpuKernelConfig(prefill_impl="mosaic"), q, 16, None, interpret=False)
+
+
+def test_float32_fma_products_take_small_tiles():
+    from jaxserve.bench.kernel_sass import parse_overrides
+    from jaxserve.pallas_kernels.paged_attention_pallas import FP32_FMA_TILES, kernel_config_for
+
+    base = GpuKernelConfig()
+    fma = kernel_config_for(base, jnp.float32, None)  # None resolves to HIGHEST for float32
+    assert {k: getattr(fma, k) for k in FP32_FMA_TILES} == FP32_FMA_TILES
+    assert fma.prefill_rows < base.prefill_rows and fma.decode_tile_tokens < base.decode_tile_tokens
+    # TF32 and bf16 products run on the tensor cores, where the larger tiles fit; the option turns it off.
+    assert kernel_config_for(base, jnp.float32, HIGH) == base
+    assert kernel_config_for(base, jnp.bfloat16, None) == base
+    assert kernel_config_for(GpuKernelConfig(fp32_fma_tiles=False), jnp.float32, HIGHEST).prefill_rows == base.prefill_rows
+    assert parse_overrides("decode_warps=4,fp32_fma_tiles=false") == {"decode_warps": 4, "fp32_fma_tiles": False}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides("warps=4")
