@@ -226,14 +226,19 @@ def plot(result: dict, path: str) -> bool:
     from jaxserve.bench.plotting import pyplot
 
     plt = pyplot()
-    rows = [r for r in result["rows"] if "output_tokens_per_s" in r]
-    if plt is None or not rows:
+    rows = result["rows"]  # a failed row keeps its place, as an empty bar that says why
+    done = [r for r in rows if "output_tokens_per_s" in r]
+    if plt is None or not done:
         return False
-    use_speedup = all("speedup_vs_hf" in r for r in rows)
-    values = [r["speedup_vs_hf"] if use_speedup else r["output_tokens_per_s"] for r in rows]
+    use_speedup = all("speedup_vs_hf" in r for r in done)
+    values = [(r["speedup_vs_hf"] if use_speedup else r["output_tokens_per_s"]) if r in done else 0 for r in rows]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows) + 2), 4))
     bars = ax.bar(range(len(rows)), values, color=["#999999" if r["row"].startswith("hf") else "#3b75af" for r in rows])
     for bar, r in zip(bars, rows):
+        if r not in done:
+            label = "failed: " + str(r.get("error", "no result"))[:28]
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom", fontsize=6, rotation=90)
+            continue
         label = f"{r['output_tokens_per_s']:.0f} tok/s" + ("*" if r["workload"] != result["workload"] else "")
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(rows)), [r["row"] for r in rows], fontsize=8)
