@@ -73,7 +73,7 @@ class GpuKernelConfig:
     # float32 products at HIGHEST precision run as IEEE FMAs on the CUDA cores, with no tensor-core
     # fragments to keep the tiles small: the bf16-sized tiles above then spill (sm_90 SASS of the prefill
     # kernel: 22 KB of stack a thread, 110k instructions, 52 s of ptxas for one kernel). True: such calls
-    # take FP32_FMA_TILES instead.
+    # take FP32_FMA_TILES for the tile fields left at their defaults.
     fp32_fma_tiles: bool = True
 
 
@@ -84,9 +84,15 @@ FP32_FMA_TILES = dict(prefill_rows=64, prefill_tile_tokens=16, prefill_warps=8, 
 
 
 def kernel_config_for(cfg: GpuKernelConfig, q_dtype, precision) -> GpuKernelConfig:
-    """``cfg`` with FP32_FMA_TILES when the kernels' products are float32 FMAs (float32 q at HIGHEST)."""
+    """``cfg`` with FP32_FMA_TILES when the kernels' products are float32 FMAs (float32 q at HIGHEST), for
+    the fields it leaves at their defaults: a tile the caller chose is kept."""
     fma = jnp.dtype(q_dtype) == jnp.float32 and prec.resolve(precision, q_dtype) == jax.lax.Precision.HIGHEST
-    return dataclasses.replace(cfg, **FP32_FMA_TILES) if cfg.fp32_fma_tiles and fma else cfg
+    if not (cfg.fp32_fma_tiles and fma):
+        return cfg
+    default = GpuKernelConfig()
+    return dataclasses.replace(
+        cfg, **{k: v for k, v in FP32_FMA_TILES.items() if getattr(cfg, k) == getattr(default, k)}
+    )
 
 
 # Programs the decode grid aims for before it splits contexts: enough to keep the H200's 132 SMs

@@ -89,6 +89,8 @@ def test_float32_fma_products_take_small_tiles():
     assert kernel_config_for(base, jnp.float32, HIGH) == base
     assert kernel_config_for(base, jnp.bfloat16, None) == base
     assert kernel_config_for(GpuKernelConfig(fp32_fma_tiles=False), jnp.float32, HIGHEST).prefill_rows == base.prefill_rows
+    chosen = kernel_config_for(GpuKernelConfig(decode_tile_tokens=16), jnp.float32, HIGHEST)  # the caller's tile stays
+    assert chosen.decode_tile_tokens == 16 and chosen.decode_warps == FP32_FMA_TILES["decode_warps"]
     assert parse_overrides("decode_warps=4,fp32_fma_tiles=false") == {"decode_warps": 4, "fp32_fma_tiles": False}
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides("warps=4")
