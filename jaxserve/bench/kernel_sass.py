@@ -2,7 +2,7 @@
 
     pip install triton
     python -m jaxserve.bench.kernel_sass [--dtypes bfloat16,float32] [--precision highest|tf32]
-        [--set key=val,...] [--no-fp32-fma-tiles]
+        [--set key=val,...] [--no-fp32-fma-tiles] [--kv-cache-dtype fp8_e4m3 [--fp8-v-token-minor]]
 
 Lowers the Triton prefill and decode kernels of a step of Llama-3-8B attention shapes (two prompts of 256 new
 tokens over 512 of context, two decodes), compiles each with the triton package for sm_90 and reports the
@@ -40,13 +40,16 @@ def parse_overrides(text: str) -> dict:
     return out
 
 
-def step_kernels(dtype: str, precision: str, overrides: dict) -> tuple[list[str], object]:
-    """Triton IR of each kernel of one mixed step computed in ``dtype``, and the config the kernels ran with."""
+def step_kernels(dtype: str, precision: str, overrides: dict, kv_cache_dtype: str = "auto",
+                 v_token_minor: bool = False) -> tuple[list[str], object]:
+    """Triton IR of each kernel of one mixed step computed in ``dtype`` over a ``kv_cache_dtype`` cache (fp8
+    pages, V token-minor or not, take the Triton prefill), and the config the kernels ran with."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxserve.bench.attention import D, H, K, P
+    from jaxserve.pallas_kernels import fp8, kv_layout
     from jaxserve.pallas_kernels import precision as prec
     from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig, kernel_config_for, ragged_attention_gpu
     from jaxserve.pallas_kernels.random_batch import make_batch
@@ -56,8 +59,15 @@ def step_kernels(dtype: str, precision: str, overrides: dict) -> tuple[list[str]
     dt = jnp.dtype(dtype)
     p = prec.matmul_precision(dt, precision)
     cfg = GpuKernelConfig(**{"prefill_impl": "triton", "decode_splits": 1, **overrides})
-    fn = jax.jit(lambda q, k, v, md: ragged_attention_gpu(q, k, v, md, scale=D**-0.5, precision=p, config=cfg))
-    mods = triton_modules(fn, batch.q.astype(dt), batch.k_pages.astype(dt), batch.v_pages.astype(dt), batch.md)
+    cache = fp8.kv_cache_dtype_for(kv_cache_dtype, dt)
+    k, v = fp8.quantize(batch.k_pages, 1.0, cache), fp8.quantize(batch.v_pages, 1.0, cache)
+    minor = v_token_minor and fp8.is_fp8(cache)  # the engine keeps only fp8 caches token-minor
+    if minor:
+        v = kv_layout.to_token_minor(v)
+    fn = jax.jit(lambda q, k, v, md: ragged_attention_gpu(
+        q, k, v, md, scale=D**-0.5, precision=p, config=cfg, v_token_minor=minor
+    ))  # fmt: skip
+    mods = triton_modules(fn, batch.q.astype(dt), k, v, batch.md)
     return mods, kernel_config_for(cfg, dt, p)
 
 
@@ -90,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="highest", help="float32 products: highest (IEEE FMAs) or tf32")
     ap.add_argument("--set", dest="overrides", default="", help="GpuKernelConfig overrides, key=val,...")
     ap.add_argument("--no-fp32-fma-tiles", action="store_true", help="keep the bf16-sized tiles for float32 FMAs")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (q's dtype) or an fp8 format, e.g. fp8_e4m3")
+    ap.add_argument("--fp8-v-token-minor", action="store_true", help="an fp8 cache's V pages token-minor")
     args = ap.parse_args(argv)
     overrides = parse_overrides(args.overrides)
     if args.no_fp32_fma_tiles:
@@ -100,7 +112,7 @@ def main(argv=None) -> int:
     print("| dtype | kernel | rows / tile / warps / stages | build s | regs | stack B | instructions | FFMA | MMA |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for dtype in args.dtypes.split(","):
-        mods, cfg = step_kernels(dtype, args.precision, overrides)
+        mods, cfg = step_kernels(dtype, args.precision, overrides, args.kv_cache_dtype, args.fp8_v_token_minor)
         for ttir in mods:
             r = build(ttir, cfg, out_dir)
             shape = (f"{cfg.prefill_rows} / {cfg.prefill_tile_tokens}" if r["kernel"] == "prefill"

@@ -94,3 +94,14 @@ def test_float32_fma_products_take_small_tiles():
     assert parse_overrides("decode_warps=4,fp32_fma_tiles=false") == {"decode_warps": 4, "fp32_fma_tiles": False}
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides("warps=4")
+
+
+def test_the_static_build_tool_lowers_the_step_kernels_for_cuda_here():
+    """`bench kernel_sass` lowers the Triton kernels without a GPU (building them needs the triton package)."""
+    from jaxserve.bench.kernel_sass import step_kernels
+
+    mods, cfg = step_kernels("float32", "highest", {})
+    assert len(mods) == 2 and all("tt.func public @jaxserve_paged_" in m for m in mods)
+    assert cfg.prefill_rows == 64  # the float32-FMA tiles
+    mods, cfg = step_kernels("bfloat16", "highest", {}, kv_cache_dtype="fp8_e4m3", v_token_minor=True)
+    assert len(mods) == 2 and cfg.prefill_rows == GpuKernelConfig().prefill_rows
