@@ -83,7 +83,11 @@ def write_shape(name: str, out_dir: str, num_hidden_layers: int | None = None, t
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     if num_hidden_layers is not None and num_hidden_layers < 1:
         raise ValueError(f"--num-hidden-layers={num_hidden_layers} is invalid: must be >= 1")
-    config = dict(SHAPES[name])
+    import transformers
+
+    # As save_pretrained writes it. Without it, transformers 5.0–5.17 take any local tokenizer for a Mistral one
+    # and warn that its regex pattern is wrong.
+    config = {**SHAPES[name], "transformers_version": transformers.__version__}
     if num_hidden_layers is not None:
         config["num_hidden_layers"] = num_hidden_layers
     os.makedirs(out_dir, exist_ok=True)

@@ -41,6 +41,8 @@ def test_8b_shape_dir_and_its_tokenizer(tmp_path):
     ids = tok.encode("the time of w5000", add_special_tokens=False)
     assert len(ids) == 4 and tok.decode(ids) == "the time of w5000"
     assert all(tok.decode([i]).strip() for i in (7, 128000, 128255))  # every id decodes to something
+    # As save_pretrained writes it (transformers 5.0-5.17 warn about a "Mistral regex" without it).
+    assert json.loads((tmp_path / "config.json").read_text())["transformers_version"]
 
 
 def test_offline_roofline_counts():
