@@ -231,11 +231,11 @@ def plot(result: dict, path: str) -> bool:
     if plt is None or not done:
         return False
     use_speedup = all("speedup_vs_hf" in r for r in done)
-    values = [(r["speedup_vs_hf"] if use_speedup else r["output_tokens_per_s"]) if r in done else 0 for r in rows]
+    values = [r.get("speedup_vs_hf" if use_speedup else "output_tokens_per_s", 0) for r in rows]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows) + 2), 4))
     bars = ax.bar(range(len(rows)), values, color=["#999999" if r["row"].startswith("hf") else "#3b75af" for r in rows])
     for bar, r in zip(bars, rows):
-        if r not in done:
+        if "output_tokens_per_s" not in r:
             label = "failed: " + str(r.get("error", "no result"))[:28]
             ax.annotate(label, (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom", fontsize=6, rotation=90)
             continue
