@@ -329,6 +329,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         outputs, self._held_outputs = self._held_outputs, []
         if sched.is_empty:
+            self.speculator.materialize()  # proposals left on the device for a verify step that did not come
             return outputs + self._flush_deferred()
         self._count_prompt_tokens(sched)
         handle = self.speculator.dispatch(sched, self.scheduler.kv)

@@ -41,6 +41,8 @@ class _DraftState:
     valid: int  # positions [0, valid) of the draft cache hold the draft KV of the request's tokens
     proposal_start: int = 0  # position of the first proposal made last round
     fed: list = dataclasses.field(default_factory=list)  # proposals whose KV the draft wrote (all but the last)
+    # A fed round's proposals not read yet (FedRoundsMixin.claim_fed): whether their KV is kept, until _fill_fed.
+    pending_keep: bool | None = None
 
 
 class DraftProposer(FedRoundsMixin):
@@ -109,26 +111,32 @@ class DraftProposer(FedRoundsMixin):
         """The draft cache is as the last round left it, for exactly these proposals: real tokens below N, then
         the proposals it fed, which the verified ones start with."""
         st = self._states.get(r.request_id)
+        if st is None or st.pending_keep is not None:
+            return False
         n = seq.start_pos + 1
         verified = seq.token_ids[1:]
-        m = min(len(verified), len(st.fed)) if st is not None else 0
-        return (st is not None and st.num_preemptions == r.num_preemptions and st.valid == st.proposal_start == n
-                and verified[:m] == st.fed[:m])
+        m = min(len(verified), len(st.fed))
+        return st.num_preemptions == r.num_preemptions and st.valid == st.proposal_start == n and verified[:m] == st.fed[:m]
 
     def _num_fed(self, r: Request) -> int:
         return len(self._states[r.request_id].fed)
 
-    def _record_fed(self, r: Request, proposals: list[int], blocks: list[int], kv) -> bool:
+    def _record_fed(self, r: Request, blocks: list[int], kv) -> bool:
         """As an ordinary round would: slots up to N + k - 2. The proposals it fed keep their KV only if the
-        request holds the blocks the round wrote them through (free_tail may have handed them on)."""
-        k = len(proposals)
+        request holds the blocks the round wrote them through (free_tail may have handed them on); their values
+        come with ``_fill_fed``."""
+        k = self.programs.k
         if not kv.allocate_slots(r, k):
             return False
         n = -(-(r.num_tokens + k - 1) // self.runner.block_size)
         kept = list(kv.get_block_ids(r)[:n]) == blocks[:n]
-        self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens,
-                                                 proposals[:-1] if kept else [])
+        self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens, [], kept)
         return True
+
+    def _fill_fed(self, r: Request, proposals: list[int]) -> None:
+        st = self._states.get(r.request_id)
+        if st is not None and st.pending_keep is not None:
+            st.fed, st.pending_keep = (proposals[:-1] if st.pending_keep else []), None
 
     def _record(self, r: Request, proposals: list[int]) -> None:
         self._states[r.request_id] = _DraftState(r.num_preemptions, r.num_tokens, r.num_tokens, proposals[:-1])

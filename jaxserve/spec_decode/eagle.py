@@ -142,6 +142,8 @@ class _HeadState:
 
 
 class EagleProposer(FedRoundsMixin):
+    device_fed_verify = False  # its fed round reads the hidden-state store, which the next verify step donates
+
     def __init__(self, programs: EaglePrograms, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.programs = programs
         self.fed = FedPrograms(programs, programs.k)  # rounds fed by the verify step on the device
@@ -206,9 +208,12 @@ class EagleProposer(FedRoundsMixin):
     def _num_fed(self, r: Request) -> int:
         return 0  # the pairs the round fed hold guesses: never kept
 
-    def _record_fed(self, r: Request, proposals: list[int], blocks: list[int], kv) -> bool:
-        self._record(r, proposals)  # the scheduler allocates the proposals' slots
+    def _record_fed(self, r: Request, blocks: list[int], kv) -> bool:
+        self._record(r, [])  # the scheduler allocates the proposals' slots; the head's state has no proposals
         return True
+
+    def _fill_fed(self, r: Request, proposals: list[int]) -> None:
+        pass
 
     def _record(self, r: Request, proposals: list[int]) -> None:
         self._states[r.request_id] = _HeadState(r.num_preemptions, r.num_tokens - 1)

@@ -66,36 +66,43 @@ def _fed_inputs(tokens, num_emitted, start, block_tables, first, offset, block_s
     return tokens.reshape(-1)[index], md  # [T]
 
 
+def _padded(rows: int, proposals, cache):
+    """Proposals [S, k] padded to [rows, k]: one shape for every verify program that reads them (VerifyRunner)."""
+    return jnp.pad(proposals, ((0, rows - proposals.shape[0]), (0, 0))), cache
+
+
 def propose_fed_eagle(
-    tgraph, ttree, hgraph, htree, k, block_size, num_slots, unroll,
+    tgraph, ttree, hgraph, htree, k, block_size, num_slots, unroll, rows,
     target_params, head_params, head_kv, store, d2t, tokens, num_emitted, start, num_fed, block_tables, *,
     num_tokens,
 ):  # fmt: skip
     """(target params, head params, head cache [donated], hidden store, d2t, the verify step's tokens [S, K+1]
     and num_emitted [S] (on the device), start [S] i32 (N - 1, or -1 for padding), num_fed [S] (unused here),
-    block tables [S, B]; ``num_tokens`` (static): T of the catch-up) -> (proposals [S, k] i32, new head cache)."""
+    block tables [S, B]; ``num_tokens`` (static): T of the catch-up) -> (proposals [rows, k] i32 (S real, then
+    padding), new head cache)."""
     from jaxserve.spec_decode.eagle import eagle_round
 
     first = jnp.zeros_like(num_emitted)
     ids, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 0, block_size, num_slots, num_tokens)
     target = nnx.merge(tgraph, jax.tree.unflatten(ttree, target_params))
     head = nnx.merge(hgraph, jax.tree.unflatten(htree, head_params))
-    return eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_slots, unroll)
+    return _padded(rows, *eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_slots, unroll))
 
 
-def propose_fed_draft(graphdef, treedef, k, block_size, num_slots, unroll, params, kv_caches, tokens, num_emitted,
-                      start, num_fed, block_tables, *, num_tokens):
+def propose_fed_draft(graphdef, treedef, k, block_size, num_slots, unroll, rows, params, kv_caches, tokens,
+                      num_emitted, start, num_fed, block_tables, *, num_tokens):
     """As ``propose_fed_eagle``, for a draft model: (params, draft cache [donated], ..., num_fed [S]: proposals
-    whose KV the draft cache holds at N.., ...) -> (proposals, cache)."""
+    whose KV the draft cache holds at N.., ...) -> (proposals [rows, k], cache)."""
     first = jnp.minimum(num_emitted - 1, num_fed)  # accepted proposals whose KV the last round wrote
     ids, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 1, block_size, num_slots, num_tokens)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    return draft_round(model, kv_caches, ids, md, k, block_size, num_slots, unroll)
+    return _padded(rows, *draft_round(model, kv_caches, ids, md, k, block_size, num_slots, unroll))
 
 
 class FedPrograms(RoundPrograms):
     """One compiled fed round per (S, B) of the verify steps (S: their sequence bucket), over ``rounds``' weights
-    and cache (the proposer's ordinary RoundPrograms)."""
+    and cache (the proposer's ordinary RoundPrograms). Its proposals come padded to [max_rows, k], the shape the
+    verify programs read them in."""
 
     name = "fed proposal"
 
@@ -104,14 +111,17 @@ class FedPrograms(RoundPrograms):
         self.rounds = rounds
         self.store_prefix = rounds.store_prefix + "-fed"  # in the store beside the rounds' own programs
         num_slots = r.num_blocks * r.block_size
+        self.rows = r.max_rows
         if hasattr(rounds, "head_graph"):  # EaglePrograms: the target runner's weights and the head's
             fn = functools.partial(
                 propose_fed_eagle, r.graphdef, r._treedef, rounds.head_graph, rounds.head_tree, k, r.block_size,
-                num_slots, unrolled(),
+                num_slots, unrolled(), self.rows,
             )  # fmt: skip
             donate = 2
         else:  # DraftPrograms: the draft runner's weights and cache
-            fn = functools.partial(propose_fed_draft, r.graphdef, r._treedef, k, r.block_size, num_slots, unrolled())
+            fn = functools.partial(
+                propose_fed_draft, r.graphdef, r._treedef, k, r.block_size, num_slots, unrolled(), self.rows
+            )
             donate = 1
         out = {"out_shardings": rounds.out_shardings} if hasattr(rounds, "out_shardings") else {}  # EAGLE's
         super().__init__(r, k, jax.jit(fn, donate_argnums=donate, static_argnames="num_tokens", **out))
@@ -171,20 +181,29 @@ def fed_block_tables(sched, kv, runner, k: int, s: int) -> tuple[np.ndarray, np.
 
 @dataclasses.dataclass
 class FedRound:
-    """A fed round in flight."""
+    """A fed round in flight, and then (``claim_fed``) the requests whose next verify step reads its proposals on
+    the device."""
 
-    proposals: jax.Array  # [S, k] i32 on the device
+    proposals: jax.Array  # [max_rows, k] i32 on the device
     request_ids: list[str]  # row i's request
     num_preemptions: list[int]  # row i's request's count at dispatch
     start: list[int]  # row i's N - 1 at dispatch
     blocks: list[list[int]]  # row i's block ids the round wrote through (a copy)
+    # request id -> (row, the request, the placeholder list its spec_token_ids got): filled by claim_fed
+    claimed: dict = dataclasses.field(default_factory=dict)
 
 
 class FedRoundsMixin:
-    """``dispatch_fed`` / ``apply_fed`` for a proposer with ``programs`` (its RoundPrograms), ``fed``
-    (FedPrograms), ``_steady(seq, request)`` (its cache is as the last round left it, for these proposals),
-    ``_num_fed(request)`` (proposals whose KV its cache holds) and ``_record_fed(request, proposals, blocks, kv)``
-    (record the state; False: no room for the proposals)."""
+    # Whether the next verify step may read the fed round's proposals on the device (``claim_fed``), i.e. be
+    # launched while the round runs. Not when the round reads an array that step donates (EAGLE: the target's
+    # hidden-state store): the launch would wait for the round on the host.
+    device_fed_verify = True
+
+    """``dispatch_fed`` / ``claim_fed`` / ``resolve_fed`` for a proposer with ``programs`` (its RoundPrograms),
+    ``fed`` (FedPrograms), ``_steady(seq, request)`` (its cache is as the last round left it, for these
+    proposals), ``_num_fed(request)`` (proposals whose KV its cache holds), ``_record_fed(request, blocks, kv)``
+    (record the state, the proposals' values to come; False: no room for them) and ``_fill_fed(request,
+    proposals)`` (their values, once read)."""
 
     def dispatch_fed(self, sched, handle, kv) -> FedRound | None:
         """Right after a verify step: the next round on its tokens, if every sequence is in the steady state."""
@@ -202,22 +221,44 @@ class FedRoundsMixin:
         num_fed[: len(sched.seqs)] = [self._num_fed(r) for r in sched.requests]
         t = handle.num_tokens
         proposals = self.fed((t, handle.tokens, handle.num_emitted, start, num_fed, tables))
+        if self.programs.runner.runner_config.platform != "cpu":
+            proposals.copy_to_host_async()  # queued behind the round: resolve_fed's read finds it there
         return FedRound(proposals, [r.request_id for r in sched.requests],
                         [r.num_preemptions for r in sched.requests], start[: len(sched.seqs)].tolist(),
                         [list(kv.get_block_ids(r)) for r in sched.requests])
 
-    def apply_fed(self, fed: FedRound, requests: list, emitted: list[int], kv) -> list:
-        """Give the requests the fed round's proposals where they hold: the request kept every token the verify
-        step emitted (``emitted[i]`` for row i), which the round caught up. Returns the requests still without."""
+    def claim_fed(self, fed: FedRound, requests: list, emitted: list[int], kv) -> list:
+        """Give the requests the fed round's proposals where they hold (the request kept every token the verify
+        step emitted, ``emitted[i]`` for row i, which the round caught up), without reading them: each such
+        request's ``spec_token_ids`` becomes k placeholders, and the next verify step reads the proposals on the
+        device (``fed.claimed``; ``resolve_fed`` fills the values in afterwards). Returns the requests still
+        without proposals."""
         rows = {rid: i for i, rid in enumerate(fed.request_ids)}
-        proposals = np.asarray(jax.device_get(fed.proposals))
         rest = []
         for r in requests:
             i = rows.get(r.request_id)
             if (i is None or r.num_preemptions != fed.num_preemptions[i]
                     or r.num_tokens != fed.start[i] + 1 + emitted[i]
-                    or not self._record_fed(r, proposals[i].tolist(), fed.blocks[i], kv)):
+                    or not self._record_fed(r, fed.blocks[i], kv)):
                 rest.append(r)
                 continue
-            r.spec_token_ids = proposals[i].tolist()
+            r.spec_token_ids = [0] * self.fed.k
+            fed.claimed[r.request_id] = (i, r, r.spec_token_ids)
         return rest
+
+    def resolve_fed(self, fed: FedRound, seqs: dict) -> None:
+        """Read the claimed proposals back and put their values where the host keeps them: the proposer's state,
+        a request's ``spec_token_ids`` if it still holds the placeholders (not scheduled: a step takes them), and
+        the token ids of ``seqs`` ({request id: ScheduledSeq} that verified them on the device)."""
+        if not fed.claimed:
+            return
+        proposals = np.asarray(fed.proposals).tolist()
+        for rid, (i, r, placeholders) in fed.claimed.items():
+            values = proposals[i]
+            self._fill_fed(r, values)
+            if r.spec_token_ids is placeholders:
+                r.spec_token_ids = values
+            seq = seqs.get(rid)
+            if seq is not None and seq.num_spec_tokens:
+                n = seq.num_spec_tokens
+                seq.token_ids[len(seq.token_ids) - n :] = values[:n]

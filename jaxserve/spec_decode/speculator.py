@@ -3,8 +3,10 @@
 The loop with speculation runs one step at a time (schedule, verify, read back, propose): the next step's
 proposals depend on which tokens this step accepted, so it cannot be dispatched before this one is read. A
 draft model's or EAGLE head's next round, though, is dispatched right behind the verify step in the steady
-state, fed by its tokens on the device (``fed_rounds``), so the host's work on the step's tokens overlaps it.
-Without ``speculative_config`` the asynchronous loop is unchanged.
+state, fed by its tokens on the device (``fed_rounds``), so the host's work on the step's tokens overlaps it;
+and its proposals are not read before the next verify step is launched: that step reads them on the device,
+so the host schedules and dispatches it while the round still runs. Without ``speculative_config`` the
+asynchronous loop is unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class Speculator:
         self.draft = draft  # a DraftProposer ("draft_model") or an EagleProposer ("eagle", "eagle3")
         self.stats = SpecDecodeStats(self.k)
         self._fed = None  # (FedRound, emitted per row): a proposal round dispatched behind the verify step
+        self._claimed = None  # a FedRound whose proposals requests hold as placeholders (claim_fed), not read yet
         self.num_fed_rounds = 0
+        self.num_device_fed_steps = 0  # verify steps that read some proposals on the device
         # Fed rounds (fed_rounds.py) by default on accelerators only: on CPU the host's work cannot overlap the
         # device's (the same cores), and a fed catch-up takes the verify step's token bucket (16 for k = 4), not
         # its own (4 for 1-2 tokens), which costs CPU matmuls real time. JAXSERVE_SPEC_FED=1 / 0 forces them.
@@ -41,7 +45,20 @@ class Speculator:
     def dispatch(self, sched: SchedulerOutput, kv=None):
         """The verify step; with a draft model or an EAGLE head and ``kv`` (the block manager), in the steady state
         also the next proposal round, fed on the device by the verify step's tokens (spec_decode.fed_rounds)."""
-        handle = self.verifier.dispatch(sched)
+        claimed, self._claimed = self._claimed, None
+        seqs, fed_rows = {}, {}
+        if claimed is not None:
+            for i, seq in enumerate(sched.seqs):
+                seqs[seq.req_id] = seq
+                if seq.num_spec_tokens and seq.req_id in claimed.claimed:
+                    fed_rows[i] = claimed.claimed[seq.req_id][0]
+        if fed_rows:
+            handle = self.verifier.dispatch(sched, claimed.proposals, fed_rows)
+            self.num_device_fed_steps += 1
+        else:
+            handle = self.verifier.dispatch(sched)
+        if claimed is not None:  # the values, for the host's records (the round ran before this step)
+            self.draft.resolve_fed(claimed, seqs)
         self._fed = None
         if kv is not None and self.fed_rounds and hasattr(self.draft, "dispatch_fed"):
             fed = self.draft.dispatch_fed(sched, handle, kv)
@@ -68,13 +85,24 @@ class Speculator:
                 r.spec_token_ids = (proposal + [r.all_token_ids[-1]] * self.k)[: self.k] if pad else proposal
             self.ngram.retain(running)  # the token buffers of requests still running (finished ones' go)
         elif self.draft is not None:
+            self.materialize()
             if self._fed is not None:
                 fed, emitted = self._fed
                 self._fed = None
-                rest = self.draft.apply_fed(fed, eligible, emitted, kv)
+                rest = self.draft.claim_fed(fed, eligible, emitted, kv)
+                self._claimed = fed if fed.claimed else None
+                if not self.draft.device_fed_verify:
+                    self.materialize()  # read now: the next verify step is launched once the round is done
                 self.draft.propose(rest, self.k, kv, live=eligible)
             else:
                 self.draft.propose(eligible, self.k, kv)
+
+    def materialize(self) -> None:
+        """Read proposals still held on the device as placeholders (the next verify step was to read them there)
+        into the requests' ``spec_token_ids``: for a step that verifies none, and for tests that look at them."""
+        claimed, self._claimed = self._claimed, None
+        if claimed is not None:
+            self.draft.resolve_fed(claimed, {})
 
 
 def _may_speculate(r: Request) -> bool:

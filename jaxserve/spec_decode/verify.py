@@ -43,17 +43,25 @@ logger = logging.getLogger("jaxserve")
 
 
 def _verify(
-    graphdef, treedef, k, forced, aux_layers, pure, params, kv_caches, tok_fields, seq_fields, spec_rows, num_spec,
-    kv_scales=None,
+    graphdef, treedef, k, forced, aux_layers, pure, params, kv_caches, tok_fields, seq_fields, fed, spec_rows,
+    num_spec, kv_scales=None,
 ):
-    """(params, cache, packed batch, spec_rows [4, R], num_spec [S], the runner's traced fp8 scales or None) ->
-    (logits [R, V] f32, greedy tokens [S, K+1], greedy num_emitted [S], both packed [S, K+2], new cache).
+    """(params, cache, packed batch, fed proposals [S_max, k], spec_rows [4, R], num_spec [S], the runner's traced
+    fp8 scales or None) -> (logits [R, V] f32, greedy tokens [S, K+1], greedy num_emitted [S], both packed
+    [S, K+2], spec_rows with the proposals as the step read them, new cache).
 
-    The greedy acceptance is computed here, inside the model's program: an all-greedy batch (the common case)
-    then needs no second program. Sampled rows and logprobs take ``_accept`` over the logits.
+    Where a token's ``prev_index`` is >= 0 its id is ``fed.flat[prev_index]``: a proposal a round fed by the last
+    verify step left on the device (spec_decode.fed_rounds), which the host has not read. So the proposal each
+    logits row scores (spec_rows[1], -1: none) is taken here from the step's own input ids, the token after the
+    row's. The greedy acceptance is computed here, inside the model's program: an all-greedy batch (the common
+    case) then needs no second program. Sampled rows and logprobs take ``_accept`` over the logits.
     ``pure`` (static): the program of steps where no sequence has more than 1 + k tokens (no prompt chunk), whose
     attention may then take the decode path alone (AttentionMetadata.decode_query_len)."""
-    input_ids, _, attn_md = unpack_inputs(tok_fields, seq_fields, pure, k + 1 if pure else 1)
+    input_ids, prev_index, attn_md = unpack_inputs(tok_fields, seq_fields, pure, k + 1 if pure else 1)
+    input_ids = jnp.where(prev_index >= 0, fed.reshape(-1)[jnp.maximum(prev_index, 0)], input_ids)
+    last = input_ids.shape[0] - 1
+    scored = jnp.where(spec_rows[1] >= 0, input_ids[jnp.minimum(spec_rows[0] + 1, last)], -1)  # [R]
+    spec_rows = spec_rows.at[1].set(scored)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     if kv_scales is not None:  # calculate_kv_scales (jaxserve/kv_scale_calibration.py)
         with_kv_scales(model, kv_scales)
@@ -61,7 +69,7 @@ def _verify(
     logits = model.compute_logits(hidden[spec_rows[0]])  # [R, V] f32: only the positions that score something
     greedy_md = SamplingMetadata.from_seqs([], spec_rows.shape[1])
     tokens, num_emitted, _ = accept(logits, spec_rows[1:], num_spec, greedy_md, k, forced)
-    return logits, tokens, num_emitted, _packed(tokens, num_emitted), kv_caches
+    return logits, tokens, num_emitted, _packed(tokens, num_emitted), spec_rows, kv_caches
 
 
 def _packed(tokens, num_emitted):
@@ -107,6 +115,8 @@ class VerifyRunner:
         # On an accelerator copy_to_host_async only queues the copy; XLA:CPU's waits for the step (measured: 0.06-0.1
         # ms of a CPU step's host time), and its "copy" is a host memcpy anyway.
         self._copy_early = runner.runner_config.platform != "cpu"
+        # What the verify program reads where no token is fed from the device (every step without a fed round).
+        self._no_fed = jax.device_put(np.zeros((runner.max_rows, k), np.int32), runner._last_tokens.sharding)
         self._min_tokens = buckets.pick(runner.token_buckets, min(k + 1, runner.token_buckets[-1]))
         # Pure verify programs up to the bucket max_num_seqs tokens fill, as the runner's decode variants: speculation
         # pays at low concurrency, and larger pure steps take the general program (correct, a prefill launch more).
@@ -114,8 +124,10 @@ class VerifyRunner:
             runner.token_buckets, min(runner.scheduler_config.max_num_seqs, runner.token_buckets[-1])
         ))
 
-    def dispatch(self, sched: SchedulerOutput):
-        """Launch the step; without any proposal in it, the runner's own step (its output has one token a row)."""
+    def dispatch(self, sched: SchedulerOutput, fed: jax.Array | None = None, fed_rows: dict | None = None):
+        """Launch the step; without any proposal in it, the runner's own step (its output has one token a row).
+        ``fed`` [S_max, k] (on the device) and ``fed_rows`` {sequence index: row of ``fed``}: those sequences'
+        proposals are ``fed``'s row, not their (placeholder) token ids (``fed_rounds.FedRound``)."""
         if not any(seq.num_spec_tokens for seq in sched.seqs):
             return self.runner.dispatch(sched)
         r = self.runner
@@ -128,6 +140,15 @@ class VerifyRunner:
             sched.seqs, num_tokens_padded=t, num_seqs_padded=s, block_width=b, block_size=r.block_size,
             num_blocks=r.num_blocks,
         )
+        if fed_rows:
+            if not fed.sharding.is_equivalent_to(self._no_fed.sharding, fed.ndim):
+                fed = jax.device_put(fed, self._no_fed.sharding)  # as the program was compiled for (TP: replicated)
+            qsl = x.query_start_loc
+            for i, row in fed_rows.items():
+                n = sched.seqs[i].num_spec_tokens  # its proposals are its last n query tokens
+                x.prev_index[qsl[i + 1] - n : qsl[i + 1]] = np.arange(row * self.k, row * self.k + n)
+        else:
+            fed = self._no_fed
         num_rows = self.rows_for(t)  # >= the rows scored: at most T tokens, at most 1 + k per sequence
         spec_rows, num_spec, counts, row_start = _spec_rows(sched.seqs, x, s, num_rows)
         # A plain greedy batch (the common case) reads no sampling settings: the program decides its acceptance.
@@ -136,7 +157,7 @@ class VerifyRunner:
             md = _rows_metadata(SamplingMetadata.from_seqs(sched.seqs, s, r._history_len(sched)), counts, num_rows)
             if md.plain_greedy:
                 md = None
-        args = (*pack_inputs(x), spec_rows, num_spec, r._kv_scales_arr)
+        args = (*pack_inputs(x), fed, spec_rows, num_spec, r._kv_scales_arr)
         key = (t, b, num_rows, pure)
         program = self._programs.get(key)
         if program is None:
@@ -144,10 +165,10 @@ class VerifyRunner:
                         num_rows, pure)
             self.num_lazy_compiles += 1
             program = self._programs[key] = self._steps[pure].lower(r.params, r.kv_caches, *args).compile()
-        logits, tokens, num_emitted, packed, r.kv_caches = program(r.params, r.kv_caches, *args)
+        logits, tokens, num_emitted, packed, scored_rows, r.kv_caches = program(r.params, r.kv_caches, *args)
         lp = None
         if md is not None:
-            tokens, num_emitted, packed, lp = self._accept(logits, spec_rows, num_spec, md)
+            tokens, num_emitted, packed, lp = self._accept(logits, scored_rows, num_spec, md)
         if self._copy_early:  # queue the copy to the host behind the step now: it arrives when the step ends
             packed.copy_to_host_async()
         r.num_steps += 1
@@ -187,7 +208,7 @@ class VerifyRunner:
             x = dummy_inputs(t, s, b, r.num_blocks * r.block_size)
             rows = np.zeros((4, n), np.int32)
             rows[1], rows[2] = -1, s
-            args = (*pack_inputs(x), rows, np.zeros(s, np.int32), r._kv_scales_arr)
+            args = (*pack_inputs(x), self._no_fed, rows, np.zeros(s, np.int32), r._kv_scales_arr)
             return self._steps[pure].lower(r.params, r.kv_caches, *args)
 
         programs, self.num_loaded_programs = load_or_compile(

@@ -42,40 +42,35 @@ def _run_exact(llm):
 
 def test_draft_equal_to_target_accepts_everything_and_is_exact(llm):
     spec = llm.llm_engine.speculator
-    fed, stats = spec.num_fed_rounds, spec.stats
+    fed, device_fed, stats = spec.num_fed_rounds, spec.num_device_fed_steps, spec.stats
     _run_exact(llm)
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert spec.num_fed_rounds > fed  # rounds dispatched behind the verify step (spec_decode.fed_rounds)
+    assert spec.num_device_fed_steps > device_fed  # verify steps that read those proposals on the device
 
 
 def test_greedy_exact_when_proposals_are_rejected(llm):
     """Corrupt one proposal of most drafts after the draft made them (its cache holds the real ones): the target
-    rejects there, the draft must carry on from a cache that is right only up to the accepted tokens."""
-    draft = llm.llm_engine.speculator.draft
-    propose, apply_fed, calls = draft.propose, draft.apply_fed, [0]
+    rejects there, the draft must carry on from a cache that is right only up to the accepted tokens. Proposals
+    a fed round left on the device are read first (``materialize``), so that they can be corrupted too."""
+    spec = llm.llm_engine.speculator
+    propose, calls = spec.propose, [0]
 
-    def corrupt(requests):
-        for r in requests:
+    def corrupting(running, kv):
+        propose(running, kv)
+        spec.materialize()
+        for r in running:
             calls[0] += 1
             if r.spec_token_ids and calls[0] % 4:
                 r.spec_token_ids[calls[0] % len(r.spec_token_ids)] ^= 1
 
-    def corrupting(requests, k, kv, **kw):
-        propose(requests, k, kv, **kw)
-        corrupt(requests)
-
-    def corrupting_fed(fed, requests, emitted, kv):  # proposals of rounds fed by the verify step too
-        rest = apply_fed(fed, requests, emitted, kv)
-        corrupt([r for r in requests if r not in rest])
-        return rest
-
-    stats = llm.llm_engine.speculator.stats
+    stats = spec.stats
     rejected = stats.num_draft_tokens - stats.num_accepted_tokens
-    draft.propose, draft.apply_fed = corrupting, corrupting_fed
+    spec.propose = corrupting
     try:
         _run_exact(llm)
     finally:
-        draft.propose, draft.apply_fed = propose, apply_fed
+        del spec.propose
     assert stats.num_draft_tokens - stats.num_accepted_tokens > rejected + 10
 
 
@@ -91,6 +86,7 @@ def test_draft_cache_consistent_after_rejections(llm):
     rejected_before = engine.speculator.stats.num_draft_tokens - engine.speculator.stats.num_accepted_tokens
     while engine.has_unfinished_requests():
         engine.step()
+        engine.speculator.materialize()  # proposals a fed round left on the device, as values
         running = [r for r in engine.scheduler.running if r.spec_token_ids]
         incremental = {r.request_id: list(r.spec_token_ids) for r in running}
         draft._states.clear()  # forget what the draft cache holds: recompute from position 0
@@ -152,3 +148,15 @@ def test_round_programs_are_stored_and_loaded(llm, tmp_path, monkeypatch):
     shape = other.shapes()[0]
     assert draft.runner._executable_store().load(warm[0]._store_name(shape), jax.devices()[:1]) is not None
     assert draft.runner._executable_store().load(other._store_name(shape), jax.devices()[:1]) is None
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+def test_tensor_parallel_reads_fed_proposals_on_the_device(llm):
+    """tensor_parallel_size=2: the draft and target sharded, rounds fed by the verify step, and the next verify
+    step reading their proposals on the device; greedy tokens equal the TP=1 plain engine's."""
+    spec = {"method": "draft_model", "model": checkpoint("llama_gqa"), "num_speculative_tokens": K}
+    tp2 = speculative_engine(spec, tensor_parallel_size=2)
+    prompts = [{"prompt_token_ids": _ids(7 + i, 60 + i)} for i in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert completions(generate(tp2, prompts, params)) == completions(generate(llm, prompts, params, speculate=False))
+    assert tp2.llm_engine.speculator.num_device_fed_steps > 0

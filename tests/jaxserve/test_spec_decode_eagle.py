@@ -105,6 +105,7 @@ def test_greedy_exact(llm):
     assert completions(generate(llm, prompts, params)) == plain
     assert engine.scheduler.num_preemptions > preempted and engine.scheduler.prefix_cache_hits > hits
     assert stats.num_drafts > drafts and engine.speculator.num_fed_rounds > 0
+    assert engine.speculator.num_device_fed_steps > 0  # verify steps that read the proposals on the device
     # A stop string inside the text (wherever a step's accepted tokens reach it), alone in the engine.
     text = plain[0][0][1]
     stop = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, stop=[text[12:15]])
@@ -132,6 +133,7 @@ def test_head_cache_consistent_after_rejections(llm):
     compared, fed = 0, spec.num_fed_rounds
     while engine.has_unfinished_requests():
         engine.step()
+        engine.speculator.materialize()  # proposals a fed round left on the device, as values
         running = [r for r in engine.scheduler.running if r.spec_token_ids]
         incremental = {r.request_id: list(r.spec_token_ids) for r in running}
         spec.draft._states.clear()  # forget what the head's cache holds: recompute from position 0
