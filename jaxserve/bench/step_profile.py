@@ -18,7 +18,7 @@ import dataclasses
 import time
 
 
-def _no_attention(q, k_new, v_new, k_pages, v_pages, md, *, scale, sliding_window=None):
+def _no_attention(q, k_new, v_new, k_pages, v_pages, md, *, scale, sliding_window=None, precision=None):
     from jaxserve.pallas_kernels.reference import write_kv
 
     k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping)

@@ -160,3 +160,46 @@ def test_tensor_parallel_reads_fed_proposals_on_the_device(llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert completions(generate(tp2, prompts, params)) == completions(generate(llm, prompts, params, speculate=False))
     assert tp2.llm_engine.speculator.num_device_fed_steps > 0
+
+
+def test_sampled_rows_equal_whether_proposals_are_read_on_the_device_or_not(llm):
+    """Seeded sampled rows: the verify step's rejection sampling sees the same proposals whether it read them on
+    the device (a fed round's, unread by the host) or from the host, so the tokens are the same."""
+    spec = llm.llm_engine.speculator
+    sp = [SamplingParams(temperature=1.0, seed=s, max_tokens=14, ignore_eos=True) for s in (3, 4)]
+    prompts = [{"prompt_token_ids": _ids(8 + i, 70 + i)} for i in range(2)]
+    device_fed = spec.num_device_fed_steps
+    on_device = completions(generate(llm, prompts, sp))
+    assert spec.num_device_fed_steps > device_fed
+    spec.draft.device_fed_verify = False  # read every fed round's proposals before the next verify step
+    try:
+        device_fed = spec.num_device_fed_steps
+        assert completions(generate(llm, prompts, sp)) == on_device
+        assert spec.num_device_fed_steps == device_fed
+    finally:
+        del spec.draft.device_fed_verify
+
+
+def test_abort_while_proposals_wait_on_the_device(llm):
+    """A request aborted while it holds placeholder proposals (the next verify step was to read them on the
+    device): the others carry on, token for token as the plain engine."""
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": _ids(6 + i, 80 + i)} for i in range(3)]
+    plain = completions(generate(llm, prompts[1:], sp, speculate=False))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"ab{i}", p, sp)
+    steps = 0
+    while engine.speculator._claimed is None:
+        engine.step()
+        steps += 1
+        assert steps < 20, "no fed round's proposals were left on the device"
+    assert "ab0" in engine.speculator._claimed.claimed
+    engine.abort_request("ab0")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert "ab0" not in done
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in done[f"ab{i}"].outputs] for i in (1, 2)] == plain
