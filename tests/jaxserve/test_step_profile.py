@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 from engine_fixtures import checkpoint
 
 from jaxserve.bench import step_profile
 
 
-def test_step_profile_prints_a_row_per_shape(capsys):
-    flags = ["--model", checkpoint("llama_gqa"), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+@pytest.mark.parametrize("extra", [[], ["--no-attention"]])
+def test_step_profile_prints_a_row_per_shape(capsys, extra):
+    flags = [*extra, "--model", checkpoint("llama_gqa"), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
              "--max-num-batched-tokens", "32", "--block-size", "4", "--compilation-cache-dir", ""]  # fmt: skip
     assert step_profile.main(["--num-prompts", "3", "--input-len", "12", "--output-len", "3", *flags]) == 0
     out = capsys.readouterr().out
-    assert "attention: xla" in out
+    assert ("attention: none" if extra else "attention: xla") in out
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert rows and {r[2] for r in rows} <= {"prefill", "decode", "mixed"}
