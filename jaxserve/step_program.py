@@ -69,16 +69,20 @@ def mm_kwargs(mm: tuple) -> dict:
     return dict(mrope_positions=fields[:3], image_embeds=pool, embed_index=fields[3])
 
 
-def run_model(model, input_ids, kv_caches: list, md: AttentionMetadata, aux_layers: tuple[int, ...] = (), **kw):
+def run_model(
+    model, input_ids, kv_caches: list, md: AttentionMetadata, aux_layers: tuple[int, ...] = (), with_aux=False, **kw
+):
     """The model over the step (``kw``: LoRA or image inputs). With ``aux_layers`` (EAGLE speculation),
     ``kv_caches`` ends with one more array, the hidden-state store [num_slots, W], and the hidden states the
     EAGLE head reads are written to it at each token's KV slot, beside its KV: the head later gathers them per
-    position through the same block tables (jaxserve.spec_decode.eagle). -> (final hidden [T, E], caches)."""
+    position through the same block tables (jaxserve.spec_decode.eagle). -> (final hidden [T, E], caches), and
+    with ``with_aux`` those hidden states too ([T, W] in the store's dtype)."""
     if not aux_layers:
         return model(input_ids, kv_caches, md, **kw)
     hidden, layer_caches, aux = model(input_ids, kv_caches[:-1], md, aux_layers=aux_layers, **kw)  # aux [T, W]
-    store = kv_caches[-1].at[md.slot_mapping].set(aux.astype(kv_caches[-1].dtype), mode="drop")
-    return hidden, [*layer_caches, store]
+    aux = aux.astype(kv_caches[-1].dtype)
+    store = kv_caches[-1].at[md.slot_mapping].set(aux, mode="drop")
+    return (hidden, [*layer_caches, store], aux) if with_aux else (hidden, [*layer_caches, store])
 
 
 def compile_in_parallel(lowered: dict) -> dict:

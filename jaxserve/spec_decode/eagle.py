@@ -52,14 +52,16 @@ def propose_eagle(
     ids, _, md = unpack_inputs(tok, seq)
     target = nnx.merge(tgraph, jax.tree.unflatten(ttree, target_params))
     head = nnx.merge(hgraph, jax.tree.unflatten(htree, head_params))
-    return eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_slots, unroll)
+    states = jnp.take(store, md.slot_mapping, axis=0, mode="fill", fill_value=0)  # [T, W]
+    return eagle_round(target, head, head_kv, states, d2t, ids, md, k, block_size, num_slots, unroll)
 
 
-def eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_slots, unroll):
-    """The catch-up over the pairs (ids [T]: token i + 1 at position i, whose target hidden state the store
-    holds at the same slot), then k - 1 decode steps. -> (proposals [S, k] i32, new head cache)."""
+def eagle_round(target, head, head_kv, states, d2t, ids, md, k, block_size, num_slots, unroll):
+    """The catch-up over the pairs (ids [T]: token i + 1 at position i; states [T, W]: the target's hidden
+    states of position i, from the store or from the verify step that computed them), then k - 1 decode steps.
+    -> (proposals [S, k] i32, new head cache)."""
     embed = target.model.embed_tokens
-    hidden = head.project(jnp.take(store, md.slot_mapping, axis=0, mode="fill", fill_value=0))  # [T, D]
+    hidden = head.project(states)  # [T, D]
     x, kv = head(embed(ids), hidden, head_kv[0], md)  # [T, D]
     last = x[md.logits_indices]  # [S, D]
     out = jnp.zeros((last.shape[0], k), jnp.int32).at[:, 0].set(head.next_tokens(last, target, d2t))  # [S, k]
@@ -142,8 +144,6 @@ class _HeadState:
 
 
 class EagleProposer(FedRoundsMixin):
-    device_fed_verify = False  # its fed round reads the hidden-state store, which the next verify step donates
-
     def __init__(self, programs: EaglePrograms, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.programs = programs
         self.fed = FedPrograms(programs, programs.k)  # rounds fed by the verify step on the device
@@ -214,6 +214,9 @@ class EagleProposer(FedRoundsMixin):
 
     def _fill_fed(self, r: Request, proposals: list[int]) -> None:
         pass
+
+    def _fed_extra(self, handle) -> tuple:
+        return (handle.states,)  # the target's hidden states of the verify step's tokens [S, K+1, W]
 
     def _record(self, r: Request, proposals: list[int]) -> None:
         self._states[r.request_id] = _HeadState(r.num_preemptions, r.num_tokens - 1)

@@ -59,11 +59,11 @@ def fed_metadata(first, num_emitted, base, block_tables, block_size: int, num_sl
 
 
 def _fed_inputs(tokens, num_emitted, start, block_tables, first, offset, block_size, num_slots, t):
-    """(ids [T], md) of a fed catch-up; ``offset``: the position of emitted token 0 minus N - 1 (EAGLE 0: a pair
-    at N - 1 + j; draft 1: token j at N + j)."""
+    """(ids [T], index [T], md) of a fed catch-up; ``offset``: the position of emitted token 0 minus N - 1 (EAGLE
+    0: a pair at N - 1 + j; draft 1: token j at N + j); ``index``: the flat (s, j) each token reads."""
     base = jnp.where(start >= 0, start + offset, -1)  # [S]
     index, md = fed_metadata(first, num_emitted, base, block_tables, block_size, num_slots, tokens.shape[1], t)
-    return tokens.reshape(-1)[index], md  # [T]
+    return tokens.reshape(-1)[index], index, md  # [T]
 
 
 def _padded(rows: int, proposals, cache):
@@ -73,20 +73,26 @@ def _padded(rows: int, proposals, cache):
 
 def propose_fed_eagle(
     tgraph, ttree, hgraph, htree, k, block_size, num_slots, unroll, rows,
-    target_params, head_params, head_kv, store, d2t, tokens, num_emitted, start, num_fed, block_tables, *,
+    target_params, head_params, head_kv, d2t, tokens, num_emitted, start, num_fed, block_tables, states, *,
     num_tokens,
 ):  # fmt: skip
-    """(target params, head params, head cache [donated], hidden store, d2t, the verify step's tokens [S, K+1]
-    and num_emitted [S] (on the device), start [S] i32 (N - 1, or -1 for padding), num_fed [S] (unused here),
-    block tables [S, B]; ``num_tokens`` (static): T of the catch-up) -> (proposals [rows, k] i32 (S real, then
-    padding), new head cache)."""
+    """(target params, head params, head cache [donated], d2t, the verify step's tokens [S, K+1] and num_emitted
+    [S] (on the device), start [S] i32 (N - 1, or -1 for padding), num_fed [S] (unused here), block tables
+    [S, B], the verify step's hidden states of its tokens [S, K+1, W]; ``num_tokens`` (static): T of the
+    catch-up) -> (proposals [rows, k] i32 (S real, then padding), new head cache).
+
+    The pair at N - 1 + j takes the hidden state of the verify step's token j, as the verify step handed it over
+    (``VerifyHandle.states``), not from the store: the next verify step donates the store, and a round still
+    reading it would hold that step's launch until the round ends."""
     from jaxserve.spec_decode.eagle import eagle_round
 
     first = jnp.zeros_like(num_emitted)
-    ids, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 0, block_size, num_slots, num_tokens)
+    ids, index, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 0, block_size, num_slots,
+                                 num_tokens)
+    hidden = states.reshape(-1, states.shape[-1])[index]  # [T, W]: padding tokens read row 0 (dropped)
     target = nnx.merge(tgraph, jax.tree.unflatten(ttree, target_params))
     head = nnx.merge(hgraph, jax.tree.unflatten(htree, head_params))
-    return _padded(rows, *eagle_round(target, head, head_kv, store, d2t, ids, md, k, block_size, num_slots, unroll))
+    return _padded(rows, *eagle_round(target, head, head_kv, hidden, d2t, ids, md, k, block_size, num_slots, unroll))
 
 
 def propose_fed_draft(graphdef, treedef, k, block_size, num_slots, unroll, rows, params, kv_caches, tokens,
@@ -94,9 +100,20 @@ def propose_fed_draft(graphdef, treedef, k, block_size, num_slots, unroll, rows,
     """As ``propose_fed_eagle``, for a draft model: (params, draft cache [donated], ..., num_fed [S]: proposals
     whose KV the draft cache holds at N.., ...) -> (proposals [rows, k], cache)."""
     first = jnp.minimum(num_emitted - 1, num_fed)  # accepted proposals whose KV the last round wrote
-    ids, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 1, block_size, num_slots, num_tokens)
+    ids, _, md = _fed_inputs(tokens, num_emitted, start, block_tables, first, 1, block_size, num_slots, num_tokens)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     return _padded(rows, *draft_round(model, kv_caches, ids, md, k, block_size, num_slots, unroll))
+
+
+def verify_states_sharding(store: jax.Array):
+    """Where a verify step puts the hidden states of its tokens [S, K+1, W] for an EAGLE fed round: split by W
+    as the store [num_slots, W] is (tensor parallelism), so both programs agree on one layout."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sh = store.sharding
+    if isinstance(sh, NamedSharding):
+        return NamedSharding(sh.mesh, PartitionSpec(None, None, *tuple(sh.spec)[1:2]))
+    return None  # one device: nothing to agree on
 
 
 class FedPrograms(RoundPrograms):
@@ -112,7 +129,8 @@ class FedPrograms(RoundPrograms):
         self.store_prefix = rounds.store_prefix + "-fed"  # in the store beside the rounds' own programs
         num_slots = r.num_blocks * r.block_size
         self.rows = r.max_rows
-        if hasattr(rounds, "head_graph"):  # EaglePrograms: the target runner's weights and the head's
+        self.eagle = hasattr(rounds, "head_graph")
+        if self.eagle:  # EaglePrograms: the target runner's weights and the head's
             fn = functools.partial(
                 propose_fed_eagle, r.graphdef, r._treedef, rounds.head_graph, rounds.head_tree, k, r.block_size,
                 num_slots, unrolled(), self.rows,
@@ -127,7 +145,10 @@ class FedPrograms(RoundPrograms):
         super().__init__(r, k, jax.jit(fn, donate_argnums=donate, static_argnames="num_tokens", **out))
 
     def _lead(self) -> tuple:
-        return self.rounds._lead()
+        lead = self.rounds._lead()
+        if self.eagle:  # (target params, head params, head cache, d2t): not the store (propose_fed_eagle)
+            return (*lead[:3], lead[4])
+        return lead
 
     def _keep(self, cache) -> None:
         self.rounds._keep(cache)
@@ -151,9 +172,15 @@ class FedPrograms(RoundPrograms):
             return x[1:]
         t, b = shape
         s = buckets.seq_bucket_for(t, self.runner.scheduler_config.max_num_seqs)
-        # Padding only: tokens [S, K+1], num_emitted [S], start [S] = -1, num_fed [S], block tables [S, B].
-        return (np.zeros((s, self.k + 1), np.int32), np.ones(s, np.int32), np.full(s, -1, np.int32),
+        # Padding only: tokens [S, K+1], num_emitted [S], start [S] = -1, num_fed [S], block tables [S, B]; for
+        # EAGLE the verify step's hidden states [S, K+1, W], as the verify program lays them out.
+        args = (np.zeros((s, self.k + 1), np.int32), np.ones(s, np.int32), np.full(s, -1, np.int32),
                 np.zeros(s, np.int32), np.zeros((s, b), np.int32))
+        if self.eagle:
+            store = self.runner.kv_caches[-1]
+            states = np.zeros((s, self.k + 1, store.shape[1]), store.dtype)
+            args += (jax.device_put(states, verify_states_sharding(store)),)
+        return args
 
 
 def fed_block_tables(sched, kv, runner, k: int, s: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -220,12 +247,16 @@ class FedRoundsMixin:
         num_fed = np.zeros(len(start), np.int32)
         num_fed[: len(sched.seqs)] = [self._num_fed(r) for r in sched.requests]
         t = handle.num_tokens
-        proposals = self.fed((t, handle.tokens, handle.num_emitted, start, num_fed, tables))
+        proposals = self.fed((t, handle.tokens, handle.num_emitted, start, num_fed, tables, *self._fed_extra(handle)))
         if self.programs.runner.runner_config.platform != "cpu":
             proposals.copy_to_host_async()  # queued behind the round: resolve_fed's read finds it there
         return FedRound(proposals, [r.request_id for r in sched.requests],
                         [r.num_preemptions for r in sched.requests], start[: len(sched.seqs)].tolist(),
                         [list(kv.get_block_ids(r)) for r in sched.requests])
+
+    def _fed_extra(self, handle) -> tuple:
+        """What a fed round takes from the verify step besides its tokens (EAGLE: the hidden states)."""
+        return ()
 
     def claim_fed(self, fed: FedRound, requests: list, emitted: list[int], kv) -> list:
         """Give the requests the fed round's proposals where they hold (the request kept every token the verify

@@ -43,12 +43,13 @@ logger = logging.getLogger("jaxserve")
 
 
 def _verify(
-    graphdef, treedef, k, forced, aux_layers, pure, params, kv_caches, tok_fields, seq_fields, fed, spec_rows,
-    num_spec, kv_scales=None,
+    graphdef, treedef, k, forced, aux_layers, states_sharding, pure, params, kv_caches, tok_fields, seq_fields, fed,
+    spec_rows, num_spec, kv_scales=None,
 ):
     """(params, cache, packed batch, fed proposals [S_max, k], spec_rows [4, R], num_spec [S], the runner's traced
     fp8 scales or None) -> (logits [R, V] f32, greedy tokens [S, K+1], greedy num_emitted [S], both packed
-    [S, K+2], spec_rows with the proposals as the step read them, new cache).
+    [S, K+2], spec_rows with the proposals as the step read them, the hidden states an EAGLE head reads of each
+    sequence's tokens 0..K [S, K+1, W] (None without a head), new cache).
 
     Where a token's ``prev_index`` is >= 0 its id is ``fed.flat[prev_index]``: a proposal a round fed by the last
     verify step left on the device (spec_decode.fed_rounds), which the host has not read. So the proposal each
@@ -65,11 +66,20 @@ def _verify(
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     if kv_scales is not None:  # calculate_kv_scales (jaxserve/kv_scale_calibration.py)
         with_kv_scales(model, kv_scales)
-    hidden, kv_caches = run_model(model, input_ids, kv_caches, attn_md, aux_layers)  # [T, E]
+    states = None
+    if aux_layers:
+        # An EAGLE round fed by this step reads these, not the store that the next verify step donates.
+        hidden, kv_caches, aux = run_model(model, input_ids, kv_caches, attn_md, aux_layers, with_aux=True)
+        at = jnp.minimum(attn_md.query_start_loc[:-1, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :], last)
+        states = aux[at]  # [S, K+1, W]
+        if states_sharding is not None:
+            states = jax.lax.with_sharding_constraint(states, states_sharding)
+    else:
+        hidden, kv_caches = run_model(model, input_ids, kv_caches, attn_md)  # [T, E]
     logits = model.compute_logits(hidden[spec_rows[0]])  # [R, V] f32: only the positions that score something
     greedy_md = SamplingMetadata.from_seqs([], spec_rows.shape[1])
     tokens, num_emitted, _ = accept(logits, spec_rows[1:], num_spec, greedy_md, k, forced)
-    return logits, tokens, num_emitted, _packed(tokens, num_emitted), spec_rows, kv_caches
+    return logits, tokens, num_emitted, _packed(tokens, num_emitted), spec_rows, states, kv_caches
 
 
 def _packed(tokens, num_emitted):
@@ -93,6 +103,7 @@ class VerifyHandle:
     row_start: np.ndarray  # [S_real]: each sequence's first logits row
     num_rows: int
     num_tokens: int = 0  # T: the step's token bucket
+    states: object = None  # [S, K+1, W]: with an EAGLE head, the hidden states of each sequence's tokens
 
 
 class VerifyRunner:
@@ -103,8 +114,13 @@ class VerifyRunner:
         self.k = k
         self.forced = forced_acceptance_length
         self.num_loaded_programs = 0  # verify programs the last warmup loaded from the executable store
+        states_sharding = None
+        if runner.aux_layers:
+            from jaxserve.spec_decode.fed_rounds import verify_states_sharding
+
+            states_sharding = verify_states_sharding(runner.kv_caches[-1])
         verify = functools.partial(
-            _verify, runner.graphdef, runner._treedef, k, forced_acceptance_length, runner.aux_layers
+            _verify, runner.graphdef, runner._treedef, k, forced_acceptance_length, runner.aux_layers, states_sharding
         )
         # Two programs per shape: steps with prompt chunks in them, and pure verify steps (no sequence has more
         # than 1 + k tokens), whose attention skips the prefill path as a pure decode step's does.
@@ -165,14 +181,14 @@ class VerifyRunner:
                         num_rows, pure)
             self.num_lazy_compiles += 1
             program = self._programs[key] = self._steps[pure].lower(r.params, r.kv_caches, *args).compile()
-        logits, tokens, num_emitted, packed, scored_rows, r.kv_caches = program(r.params, r.kv_caches, *args)
+        logits, tokens, num_emitted, packed, scored_rows, states, r.kv_caches = program(r.params, r.kv_caches, *args)
         lp = None
         if md is not None:
             tokens, num_emitted, packed, lp = self._accept(logits, scored_rows, num_spec, md)
         if self._copy_early:  # queue the copy to the host behind the step now: it arrives when the step ends
             packed.copy_to_host_async()
         r.num_steps += 1
-        return VerifyHandle(tokens, num_emitted, packed, lp, row_start, len(sched.seqs), t)
+        return VerifyHandle(tokens, num_emitted, packed, lp, row_start, len(sched.seqs), t, states)
 
     def rows_for(self, t: int) -> int:
         """Logits rows R of a verify step of T tokens: one per token the step could score (every sequence's

@@ -249,6 +249,7 @@ def test_tensor_parallel(version, request):
         engine.step()
     assert r.output_token_ids == hf_greedy(checkpoint("llama_gqa"), r.prompt_token_ids, 16)
     assert engine.speculator.stats.num_drafts > 2 and engine.speculator.num_fed_rounds > 0
+    assert engine.speculator.num_device_fed_steps > 0  # the hidden states handed over in the split layout
     runner, draft = engine.runner, engine.speculator.draft
     assert runner.kv_caches[-1].sharding.spec == P(None, "model")  # the store [num_slots, W]
     for pages in draft.programs.kv_caches[0]:  # the head's KV cache: by KV heads, as the target's
