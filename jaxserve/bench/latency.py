@@ -27,6 +27,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
                    help="also time HF transformers generate on the same prompts, one at a time (needs torch)")
     p.add_argument("--quick", action="store_true", help="small roofline measurements (smoke runs, CPU tests)")
     p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
+    p.add_argument("--trace-dir", default=None,
+                   help="also trace one more request with the JAX profiler into this directory, and print where "
+                        "its time went (jaxserve.bench.trace)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -108,6 +111,20 @@ def measure(llm, work: list) -> dict:
         "ttft_ms": statistics.median(r[2] for r in runs),
         "runs_tokens_per_s": [r[0] for r in runs],
     }
+
+
+def traced_request(llm, w, trace_dir: str) -> dict:
+    """One more request of ``w``'s prompt and length under the JAX profiler (not timed); prints and returns the
+    trace's summary (jaxserve.bench.trace)."""
+    from jaxserve.bench import trace
+    from jaxserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=w.output_len)
+    with trace.capture(trace_dir):
+        llm.generate([{"prompt_token_ids": w.prompt_token_ids}], [params], use_tqdm=False)
+    summary = trace.summarize(trace_dir)
+    print(f"trace of one request ({trace_dir}):\n{trace.format_summary(summary)}", flush=True)
+    return summary.to_dict()
 
 
 def spec_decode_summary(before: dict, after: dict) -> dict:
@@ -193,6 +210,8 @@ def run(ns: argparse.Namespace) -> int:
     result = {"engine": "jaxserve", "bench": "latency", **res, "startup_s": startup_s,
               "engine_info": llm.llm_engine.info(), **environment(jax)}
     print(describe(result))
+    if ns.trace_dir:
+        result["trace"] = traced_request(llm, work[-1], ns.trace_dir)
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(result, f, indent=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 
@@ -32,6 +33,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--acceptance", default=None,
                    help="comma-separated forced acceptance lengths to time, in this order (default: 0..k)")
     p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
+    p.add_argument("--trace-dir", default=None,
+                   help="also trace one more request per row with the JAX profiler, into DIR/a<length> (DIR/base "
+                        "without speculation), and print where its time went (jaxserve.bench.trace)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -71,7 +75,8 @@ def acceptance_lengths(text: str | None, k: int | None) -> list[int | None]:
     return lengths
 
 
-def sweep(llm, input_len: int, output_len: int, repeats: int, seed: int = 0, lengths=None, on_row=None) -> list[dict]:
+def sweep(llm, input_len: int, output_len: int, repeats: int, seed: int = 0, lengths=None, on_row=None,
+          trace_dir: str | None = None) -> list[dict]:
     import numpy as np
 
     from jaxserve.spec_decode.verify import VerifyRunner
@@ -96,6 +101,15 @@ def sweep(llm, input_len: int, output_len: int, repeats: int, seed: int = 0, len
             row["accepted_tokens"] = spec.stats.num_accepted_tokens - before[1]
         rows.append(row)
         print(format_row(row), flush=True)
+        if trace_dir:  # one more request, not timed, under the profiler
+            from jaxserve.bench import trace
+
+            where = os.path.join(trace_dir, "base" if a is None else f"a{a}")
+            with trace.capture(where):
+                _timed(llm, input_len, output_len, rng)
+            summary = trace.summarize(where)
+            row["trace"] = summary.to_dict()
+            print(trace.format_summary(summary), flush=True)
         if on_row:
             on_row(rows)
     return rows
@@ -136,5 +150,6 @@ def run(ns: argparse.Namespace) -> int:
             with open(ns.output_json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    sweep(llm, ns.input_len, ns.output_len, ns.repeats, ns.seed or 0, lengths=lengths, on_row=write)
+    sweep(llm, ns.input_len, ns.output_len, ns.repeats, ns.seed or 0, lengths=lengths, on_row=write,
+          trace_dir=ns.trace_dir)
     return 0

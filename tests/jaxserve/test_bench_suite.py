@@ -147,10 +147,12 @@ def test_latency(tmp_path):
     # HF's single stream is covered by the suite's offline part (the same code path).
     out = tmp_path / "lat.json"
     _run(["bench", "latency", "--model", checkpoint("llama_gqa"), *ENGINE, "--compilation-cache-dir", str(tmp_path / "cc"),
-          "--input-len", "8", "--output-len", "6", "--repeats", "2", "--quick", "--output-json", str(out)])
+          "--input-len", "8", "--output-len", "6", "--repeats", "2", "--quick", "--output-json", str(out),
+          "--trace-dir", str(tmp_path / "trace")])
     res = json.loads(out.read_text())
     assert res["repeats"] == 2 and len(res["runs_tokens_per_s"]) == 2
     assert res["tokens_per_s"] > 0 and res["roofline"]["tokens_per_s"] > 0 and res["roofline_fraction"] > 0
+    assert res["trace"]["host_top"]  # one more request, traced (jaxserve.bench.trace)
 
 
 def test_suite_offline_and_serving(tmp_path):
