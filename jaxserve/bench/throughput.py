@@ -38,6 +38,10 @@ def add_parser(bench_sub, add_engine_args) -> None:
     add_single_stream_args(p, prefix="single-stream")
     p.add_argument("--quick", action="store_true", help="small roofline measurements (smoke runs, CPU tests)")
     p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
+    p.add_argument("--trace-dir", default=None,
+                   help="after the timed run, run the workload once more with a window of its steps traced by the "
+                        "JAX profiler into this directory, and print where their time went (jaxserve.bench.trace)")
+    p.add_argument("--trace-steps", default="50:20", help="the traced window, FIRST:COUNT engine steps (default 50:20)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -52,6 +56,9 @@ def run(ns: argparse.Namespace) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
+    from jaxserve.bench import trace
+
+    window = trace.parse_window(ns.trace_steps) if ns.trace_dir else None  # checked before any work
     args = engine_args_from(ns)
     path, cfg = latency.model_path_and_config(args)
     if ns.dataset:
@@ -122,6 +129,13 @@ def run(ns: argparse.Namespace) -> int:
               f"{roof['bytes'] / 1e9:.1f} GB in {roof['bytes_s']:.2f} s) -> {100 * result['roofline_fraction']:.0f}% reached; "
               f"matmuls then KV traffic ({roof['kv_bytes'] / 1e9:.1f} GB in {roof['kv_s']:.2f} s), one after the other: "
               f"{roof['serial_output_tokens_per_s']:.1f} output tok/s -> {100 * result['serial_roofline_fraction']:.0f}% reached")
+    if window is not None:
+        with trace.step_window(engine, ns.trace_dir, *window):
+            llm.generate(prompts, params, use_tqdm=False)
+        summary = trace.summarize(ns.trace_dir)
+        result["trace"] = {"steps": list(window), **summary.to_dict()}
+        print(f"trace of steps {window[0]}..{sum(window) - 1} of the workload run again ({ns.trace_dir}):\n"
+              f"{trace.format_summary(summary)}", flush=True)
     if ns.single_stream:
         result["single_stream"] = latency.finish(llm, single_work, single_hf, dtype, rates["copy_bytes_per_s"])
         print(latency.describe(result["single_stream"]))

@@ -8,7 +8,8 @@ kernels' total time, count and share, the busy time (the union of the kernels' i
 the first kernel's start to the last one's end (the gap is time the device waited for the host), and on the
 host the PJRT launch phases that can hold a launch back (``Wait for usage holds``: an input still in use by a
 running program; ``Wait for donation holds``: a donated input still read) with the host's largest events.
-The benches take ``--trace-dir``: ``bench latency`` traces one extra request, ``bench spec-sweep`` one per row.
+The benches take ``--trace-dir``: ``bench latency`` traces one extra request, ``bench spec-sweep`` one per row,
+``bench throughput`` a window of steps (``--trace-steps``) of the workload run once more.
 """
 
 from __future__ import annotations
@@ -34,6 +35,50 @@ def capture(out_dir: str):
     os.makedirs(out_dir, exist_ok=True)
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         yield
+
+
+@contextlib.contextmanager
+def step_window(engine, out_dir: str, first: int, count: int):
+    """Trace engine steps ``first`` .. ``first + count - 1`` of what runs inside the block (a window of a long
+    run, whose whole trace would be large), into ``out_dir``."""
+    import jax
+
+    os.makedirs(out_dir, exist_ok=True)
+    step, seen, active = engine.step, [0], [False]
+
+    def traced_step():
+        if seen[0] == first:
+            jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
+            active[0] = True
+        try:
+            return step()
+        finally:
+            seen[0] += 1
+            if active[0] and seen[0] == first + count:
+                jax.profiler.stop_trace()
+                active[0] = False
+
+    engine.step = traced_step
+    try:
+        yield
+    finally:
+        del engine.step  # the class's method again
+        if active[0]:  # the run ended inside the window
+            jax.profiler.stop_trace()
+        if not seen[0] > first:
+            raise ValueError(f"the run took {seen[0]} steps, so a trace from step {first} never started: "
+                             f"lower the first step of --trace-steps")
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """--trace-steps FIRST:COUNT -> (first, count)."""
+    try:
+        first, count = (int(x) for x in text.split(":"))
+    except ValueError:
+        first = count = -1
+    if first < 0 or count < 1:
+        raise ValueError(f"--trace-steps={text!r} is invalid: give FIRST:COUNT, e.g. 100:20 (steps 100..119)")
+    return first, count
 
 
 def find_trace(out_dir: str) -> str:

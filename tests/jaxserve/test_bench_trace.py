@@ -61,3 +61,23 @@ def test_spec_sweep_traces_a_request_per_row(tmp_path, capsys):
     assert row["trace"]["host_top"]  # a CPU trace: XLA's work shows as host events
     assert list((tmp_path / "tr" / "a2").rglob("*.trace.json.gz"))
     assert "host, largest events:" in capsys.readouterr().out
+
+
+def test_throughput_traces_a_window_of_steps(tmp_path, capsys):
+    model = make_tiny_checkpoint(tmp_path / "m", max_position_embeddings=256)
+    out = tmp_path / "tp.json"
+    base = ["bench", "throughput", "--model", str(model), "--num-prompts", "3", "--input-len", "12", "--output-len",
+            "6", "--max-model-len", "128", "--compilation-cache-dir", "", "--precompile", "none"]  # fmt: skip
+    rc = main([*base, "--output-json", str(out), "--trace-dir", str(tmp_path / "tr"), "--trace-steps", "2:3"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["trace"]["steps"] == [2, 3] and res["trace"]["host_top"]
+    assert main([*base, "--trace-dir", str(tmp_path / "tr2"), "--trace-steps", "1000:5"]) != 0
+    assert "never started: lower the first step of --trace-steps" in capsys.readouterr().err
+
+
+def test_bad_window_is_named():
+    assert trace.parse_window("100:20") == (100, 20)
+    for bad in ("100", "a:b", "5:0", "-1:3"):
+        with pytest.raises(ValueError, match="--trace-steps=.* FIRST:COUNT"):
+            trace.parse_window(bad)
