@@ -156,7 +156,7 @@ def format_summary(s: Summary, top: int = 10) -> str:
     if not s.devices:
         lines.append("no device events in the trace (on CPU, XLA's work shows as host events)")
     for name, ms, n in s.launch_waits:
-        lines.append(f"host, launch phase '{name}': {ms:.3f} ms in {n} launches")
+        lines.append(f"host, launch phase '{name}': {ms:.3f} ms over {n} events")
     lines.append("host, largest events:")
     for name, ms, n in s.host_top[:top]:
         lines.append(f"  {ms:9.3f} ms  {n:6d}x  {name[:100]}")
