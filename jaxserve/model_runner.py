@@ -207,6 +207,7 @@ class ModelRunner:
         self._calibration_pending = self.calculate_kv_scales
         self.num_steps = 0
         self.compiled_shapes: set[tuple[int, int, bool]] = set()  # (T, B, decode_only) compiled at start-up or since
+        self.compile_seconds: dict[tuple[int, int, bool], float] = {}  # start-up compiles' wall seconds, by shape
         self._programs: dict[tuple[int, int, bool], Any] = {}  # (T, B, decode_only) -> compiled step (jax.stages.Compiled)
         self._sampler_programs: dict[tuple, Any] = {}  # _sampler_key -> the start-up's compiled sampler
         self.num_lazy_compiles = 0
@@ -402,7 +403,9 @@ class ModelRunner:
         bar = tqdm(total=len(shapes), desc="Compiling step shapes", unit="shape", disable=not progress, leave=False)
 
         def compile_step(shape: tuple[int, int, bool], lowered) -> None:
+            t0 = time.perf_counter()
             self._programs[shape] = program = lowered.compile()
+            self.compile_seconds[shape] = time.perf_counter() - t0  # side by side with others: wall, not CPU
             if store is not None:
                 store.save(_step_name(shape), program)
 
@@ -431,6 +434,10 @@ class ModelRunner:
             for job in concurrent.futures.as_completed(jobs):
                 job.result()  # a failed compile raises here, at start-up
         bar.close()
+        if self.compile_seconds:
+            slowest = sorted(self.compile_seconds.items(), key=lambda kv: -kv[1])[:3]
+            logger.info("slowest step compiles: %s", ", ".join(
+                f"tokens={t} ctx={b * self.block_size}{' decode' if d else ''} {sec:.1f}s" for (t, b, d), sec in slowest))
         self.compiled_shapes.update(shapes)
         self.num_loaded_programs = store.hits if store is not None else 0
         if store is not None:

@@ -71,6 +71,10 @@ def startup(model: str, dtype: str, precompile: str, n: int) -> None:
     comp = events["/jax/core/compile/backend_compile_duration"]
     print(f"{tag} start {start:.1f} s; backend compiles {len(comp)} taking {sum(comp):.1f} s; "
           f"slowest {[round(d, 1) for d in sorted(comp, reverse=True)[:6]]}", flush=True)
+    runner = llm.llm_engine.runner
+    slowest = sorted(runner.compile_seconds.items(), key=lambda kv: -kv[1])[:6]
+    print(f"{tag} slowest step shapes (tokens, ctx, decode-only: wall s): "
+          + ", ".join(f"({t}, {b * runner.block_size}, {d}): {sec:.1f}" for (t, b, d), sec in slowest), flush=True)
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32)
     for r, label in enumerate(("first", "second")):
         ids = [[100 + (i * 7 + j * (r + 3)) % 30000 for j in range(512)] for i in range(n)]  # no prefix-cache hits
