@@ -49,14 +49,12 @@ def add_parser(bench_sub, add_engine_args) -> None:
 def run(ns: argparse.Namespace) -> int:
     import jax
 
-    from jaxserve.bench import latency, roofline
+    from jaxserve.bench import latency, roofline, trace
     from jaxserve.bench.hf_generate import run_in_subprocess
     from jaxserve.bench.workload import dataset_workload, random_workload
     from jaxserve.cli import engine_args_from
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
-
-    from jaxserve.bench import trace
 
     window = trace.parse_window(ns.trace_steps) if ns.trace_dir else None  # checked before any work
     args = engine_args_from(ns)

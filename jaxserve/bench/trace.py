@@ -65,9 +65,9 @@ def step_window(engine, out_dir: str, first: int, count: int):
         del engine.step  # the class's method again
         if active[0]:  # the run ended inside the window
             jax.profiler.stop_trace()
-        if not seen[0] > first:
-            raise ValueError(f"the run took {seen[0]} steps, so a trace from step {first} never started: "
-                             f"lower the first step of --trace-steps")
+    if not seen[0] > first:  # (only when the block ran to its end: an error inside it is the one to see)
+        raise ValueError(f"the run took {seen[0]} steps, so a trace from step {first} never started: "
+                         f"lower the first step of --trace-steps")
 
 
 def parse_window(text: str) -> tuple[int, int]:

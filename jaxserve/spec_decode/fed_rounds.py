@@ -221,16 +221,17 @@ class FedRound:
 
 
 class FedRoundsMixin:
-    # Whether the next verify step may read the fed round's proposals on the device (``claim_fed``), i.e. be
-    # launched while the round runs. Not when the round reads an array that step donates (EAGLE: the target's
-    # hidden-state store): the launch would wait for the round on the host.
-    device_fed_verify = True
-
     """``dispatch_fed`` / ``claim_fed`` / ``resolve_fed`` for a proposer with ``programs`` (its RoundPrograms),
     ``fed`` (FedPrograms), ``_steady(seq, request)`` (its cache is as the last round left it, for these
     proposals), ``_num_fed(request)`` (proposals whose KV its cache holds), ``_record_fed(request, blocks, kv)``
     (record the state, the proposals' values to come; False: no room for them) and ``_fill_fed(request,
     proposals)`` (their values, once read)."""
+
+    # Whether the next verify step may read the fed round's proposals on the device (``claim_fed``), i.e. be
+    # launched while the round runs. A proposer whose fed round read an array that step donates would have to say
+    # False: the launch would wait for the round on the host. (An EAGLE round takes the hidden states it needs
+    # from the verify step, ``VerifyHandle.states``, not from the store the next one donates.)
+    device_fed_verify = True
 
     def dispatch_fed(self, sched, handle, kv) -> FedRound | None:
         """Right after a verify step: the next round on its tokens, if every sequence is in the steady state."""
