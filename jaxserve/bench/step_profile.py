@@ -26,12 +26,7 @@ def _no_attention(q, k_new, v_new, k_pages, v_pages, md, *, scale, sliding_windo
 
 
 def main(argv: list[str] | None = None) -> int:
-    import jax
-
-    from jaxserve.bench.workload import random_workload
     from jaxserve.cli import add_engine_args, engine_args_from
-    from jaxserve.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
 
     p = argparse.ArgumentParser(prog="python -m jaxserve.bench.step_profile", description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
@@ -45,13 +40,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_parallel_size > 1:
         p.error("the step profile times one engine's steps in this process: drop --data-parallel-size "
                 "(data-parallel replicas run in processes of their own)")
-    if ns.no_attention:
-        from jaxserve.pallas_kernels import attention
+    if not ns.no_attention:
+        return _profile(ns, args)
+    from jaxserve.pallas_kernels import attention
 
-        # The gather backends share width buckets; patch the reference entry and select it.
-        attention.paged_attention = _no_attention
+    # The gather backends share width buckets; patch the reference entry and select it, for this run only (a
+    # caller in the same process, e.g. a test session, gets the real reference backend back).
+    real = attention.paged_attention
+    attention.paged_attention = _no_attention
+    attention.get_attention_fn.cache_clear()
+    try:
+        return _profile(ns, dataclasses.replace(args, attention_backend="reference"))
+    finally:
+        attention.paged_attention = real
         attention.get_attention_fn.cache_clear()
-        args = dataclasses.replace(args, attention_backend="reference")
+
+
+def _profile(ns: argparse.Namespace, args) -> int:
+    import jax
+
+    from jaxserve.bench.workload import random_workload
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
     llm = LLM(**dataclasses.asdict(args))
     engine = llm.llm_engine
     runner = engine.runner

@@ -15,5 +15,8 @@ def test_step_profile_prints_a_row_per_shape(capsys, extra):
     assert step_profile.main(["--num-prompts", "3", "--input-len", "12", "--output-len", "3", *flags]) == 0
     out = capsys.readouterr().out
     assert ("attention: none" if extra else "attention: xla") in out
+    from jaxserve.pallas_kernels import attention
+
+    assert attention.paged_attention is not step_profile._no_attention  # restored for the rest of the process
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert rows and {r[2] for r in rows} <= {"prefill", "decode", "mixed"}
