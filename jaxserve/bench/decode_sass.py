@@ -38,31 +38,43 @@ GROUPS = {
 
 def lower_decode_ttir(fmt: str, v_minor: bool, tile: int) -> str:
     """Triton IR (MLIR text) of the decode kernel over a ``fmt`` cache, captured from the Pallas lowering."""
-    import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from jaxserve.bench.attention import D, H, K, P
-    from jaxserve.pallas_kernels import fp8, kv_layout
-    from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig, ragged_attention_gpu
+    from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig
     from jaxserve.pallas_kernels.random_batch import make_batch
 
     batch = make_batch(np.random.default_rng(0), q_lens=[1] * 4, ctx_lens=[256] * 4, num_heads=H, num_kv_heads=K,
                        head_dim=D, block_size=P)  # fmt: skip
-    md = dataclasses.replace(batch.md, decode_only=True)
-    dtype = fp8.kv_cache_dtype_for(fmt, jnp.bfloat16)
-    k, v = fp8.quantize(batch.k_pages, 1.0, dtype), fp8.quantize(batch.v_pages, 1.0, dtype)
-    v_minor = v_minor and fp8.is_fp8(dtype)
-    if v_minor:
-        v = kv_layout.to_token_minor(v)
+    batch = dataclasses.replace(batch, md=dataclasses.replace(batch.md, decode_only=True))
     cfg = GpuKernelConfig(decode_splits=1, decode_tile_tokens=tile)  # one split: the decode kernel alone
-    fn = jax.jit(lambda q, k, v, md: ragged_attention_gpu(
-        q, k, v, md, scale=D**-0.5, interpret=False, config=cfg, v_token_minor=v_minor
-    ))  # fmt: skip
-    captured = triton_modules(fn, batch.q, k, v, md)
+    captured = attention_kernels(batch, "bfloat16", fmt, v_minor, cfg)
     if len(captured) != 1:
         raise RuntimeError(f"expected one Triton kernel (the decode kernel), lowered {len(captured)}")
     return captured[0]
+
+
+def attention_kernels(batch, q_dtype: str, kv_cache_dtype: str, v_token_minor: bool, cfg, precision=None) -> list[str]:
+    """Triton IR of every kernel the pallas backend launches for ``batch`` (random_batch.make_batch) with q in
+    ``q_dtype`` over a ``kv_cache_dtype`` cache (fp8 pages V token-minor if asked: the engine keeps only fp8
+    caches token-minor), lowered for "cuda" on any machine."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.bench.attention import D
+    from jaxserve.pallas_kernels import fp8, kv_layout
+    from jaxserve.pallas_kernels.paged_attention_pallas import ragged_attention_gpu
+
+    dt = jnp.dtype(q_dtype)
+    cache = fp8.kv_cache_dtype_for(kv_cache_dtype, dt)
+    k, v = fp8.quantize(batch.k_pages, 1.0, cache), fp8.quantize(batch.v_pages, 1.0, cache)
+    minor = v_token_minor and fp8.is_fp8(cache)
+    if minor:
+        v = kv_layout.to_token_minor(v)
+    fn = jax.jit(lambda q, k, v, md: ragged_attention_gpu(
+        q, k, v, md, scale=D**-0.5, precision=precision, interpret=False, config=cfg, v_token_minor=minor
+    ))  # fmt: skip
+    return triton_modules(fn, batch.q.astype(dt), k, v, batch.md)
 
 
 def triton_modules(fn, *args) -> list[str]:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from jaxserve.bench.decode_sass import compile_cubin, cuobjdump, triton_modules
+from jaxserve.bench.decode_sass import attention_kernels, compile_cubin, cuobjdump
 
 
 def parse_overrides(text: str) -> dict:
@@ -44,14 +44,12 @@ def step_kernels(dtype: str, precision: str, overrides: dict, kv_cache_dtype: st
                  v_token_minor: bool = False) -> tuple[list[str], object]:
     """Triton IR of each kernel of one mixed step computed in ``dtype`` over a ``kv_cache_dtype`` cache (fp8
     pages, V token-minor or not, take the Triton prefill), and the config the kernels ran with."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxserve.bench.attention import D, H, K, P
-    from jaxserve.pallas_kernels import fp8, kv_layout
     from jaxserve.pallas_kernels import precision as prec
-    from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig, kernel_config_for, ragged_attention_gpu
+    from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig, kernel_config_for
     from jaxserve.pallas_kernels.random_batch import make_batch
 
     batch = make_batch(np.random.default_rng(0), q_lens=[256, 256, 1, 1], ctx_lens=[512, 512, 300, 300],
@@ -59,15 +57,7 @@ def step_kernels(dtype: str, precision: str, overrides: dict, kv_cache_dtype: st
     dt = jnp.dtype(dtype)
     p = prec.matmul_precision(dt, precision)
     cfg = GpuKernelConfig(**{"prefill_impl": "triton", "decode_splits": 1, **overrides})
-    cache = fp8.kv_cache_dtype_for(kv_cache_dtype, dt)
-    k, v = fp8.quantize(batch.k_pages, 1.0, cache), fp8.quantize(batch.v_pages, 1.0, cache)
-    minor = v_token_minor and fp8.is_fp8(cache)  # the engine keeps only fp8 caches token-minor
-    if minor:
-        v = kv_layout.to_token_minor(v)
-    fn = jax.jit(lambda q, k, v, md: ragged_attention_gpu(
-        q, k, v, md, scale=D**-0.5, precision=p, config=cfg, v_token_minor=minor
-    ))  # fmt: skip
-    mods = triton_modules(fn, batch.q.astype(dt), k, v, batch.md)
+    mods = attention_kernels(batch, dtype, kv_cache_dtype, v_token_minor, cfg, p)
     return mods, kernel_config_for(cfg, dt, p)
 
 

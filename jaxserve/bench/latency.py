@@ -122,9 +122,7 @@ def traced_request(llm, w, trace_dir: str) -> dict:
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=w.output_len)
     with trace.capture(trace_dir):
         llm.generate([{"prompt_token_ids": w.prompt_token_ids}], [params], use_tqdm=False)
-    summary = trace.summarize(trace_dir)
-    print(f"trace of one request ({trace_dir}):\n{trace.format_summary(summary)}", flush=True)
-    return summary.to_dict()
+    return trace.report(trace_dir, f"trace of one request ({trace_dir}):")
 
 
 def spec_decode_summary(before: dict, after: dict) -> dict:

@@ -107,9 +107,7 @@ def sweep(llm, input_len: int, output_len: int, repeats: int, seed: int = 0, len
             where = os.path.join(trace_dir, "base" if a is None else f"a{a}")
             with trace.capture(where):
                 _timed(llm, input_len, output_len, rng)
-            summary = trace.summarize(where)
-            row["trace"] = summary.to_dict()
-            print(trace.format_summary(summary), flush=True)
+            row["trace"] = trace.report(where, f"trace of one more request ({where}):")
         if on_row:
             on_row(rows)
     return rows

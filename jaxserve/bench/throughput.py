@@ -130,10 +130,8 @@ def run(ns: argparse.Namespace) -> int:
     if window is not None:
         with trace.step_window(engine, ns.trace_dir, *window):
             llm.generate(prompts, params, use_tqdm=False)
-        summary = trace.summarize(ns.trace_dir)
-        result["trace"] = {"steps": list(window), **summary.to_dict()}
-        print(f"trace of steps {window[0]}..{sum(window) - 1} of the workload run again ({ns.trace_dir}):\n"
-              f"{trace.format_summary(summary)}", flush=True)
+        heading = f"trace of steps {window[0]}..{sum(window) - 1} of the workload run again ({ns.trace_dir}):"
+        result["trace"] = {"steps": list(window), **trace.report(ns.trace_dir, heading)}
     if ns.single_stream:
         result["single_stream"] = latency.finish(llm, single_work, single_hf, dtype, rates["copy_bytes_per_s"])
         print(latency.describe(result["single_stream"]))

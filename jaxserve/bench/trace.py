@@ -163,6 +163,13 @@ def format_summary(s: Summary, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def report(out_dir: str, heading: str) -> dict:
+    """Summarize the trace under ``out_dir``, print it under ``heading``; the summary as a dict (a bench's JSON)."""
+    summary = summarize(out_dir)
+    print(f"{heading}\n{format_summary(summary)}", flush=True)
+    return summary.to_dict()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxserve.bench.trace", description=__doc__.split("\n")[0])
     p.add_argument("trace", help="a *.trace.json.gz, or a directory holding one (the newest is read)")

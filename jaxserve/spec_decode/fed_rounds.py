@@ -284,7 +284,7 @@ class FedRoundsMixin:
         the token ids of ``seqs`` ({request id: ScheduledSeq} that verified them on the device)."""
         if not fed.claimed:
             return
-        proposals = np.asarray(fed.proposals).tolist()
+        proposals = np.asarray(fed.proposals)[: len(fed.request_ids)].tolist()  # the rows past them are padding
         for rid, (i, r, placeholders) in fed.claimed.items():
             values = proposals[i]
             self._fill_fed(r, values)

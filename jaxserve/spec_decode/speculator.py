@@ -85,7 +85,6 @@ class Speculator:
                 r.spec_token_ids = (proposal + [r.all_token_ids[-1]] * self.k)[: self.k] if pad else proposal
             self.ngram.retain(running)  # the token buffers of requests still running (finished ones' go)
         elif self.draft is not None:
-            self.materialize()
             if self._fed is not None:
                 fed, emitted = self._fed
                 self._fed = None
