@@ -222,3 +222,6 @@ class RunnerConfig:
     compilation_cache_dir: Optional[str]  # resolved: None when off
     platform: str  # "cpu" | "gpu" | "tpu"
     precompile: str = "all"  # resolved: "all" | "common" | "none"
+    # Every step's launch waits for the host's reading of the step before it (a speculative engine's loop), so
+    # the steps launch kernel by kernel on GPUs (jaxserve.launch_mode).
+    host_bound_steps: bool = False

@@ -141,7 +141,10 @@ def build_engine_components(
         max_num_seqs, max_batched, max_model_len, args.enable_chunked_prefill, args.long_prefill_token_threshold
     )
     precompile = args.precompile if args.precompile != "auto" else ("common" if platform == "cpu" else "all")
-    runner_config = RunnerConfig(args.enforce_eager, backend, cache_dir, platform, precompile)
+    runner_config = RunnerConfig(
+        args.enforce_eager, backend, cache_dir, platform, precompile,
+        host_bound_steps=args.speculative_config is not None,
+    )  # fmt: skip
     lora_config = _lora_config(args, dtype)
     mm_processor = _mm_processor(args, path, model)
     runner = ModelRunner(

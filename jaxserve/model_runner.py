@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve import buckets, kv_scale_calibration, sharding
+from jaxserve import buckets, kv_scale_calibration, launch_mode, sharding
 from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.executable_store import ExecutableStore
@@ -185,6 +185,9 @@ class ModelRunner:
 
             self.vision = VisionRunner(self, vl_config, self._pool_rows, param_shardings, batch_sharding)
         num_mm = 2 if self.vision is not None else 0  # (mm_fields, image pool)
+        # Plain steps keep XLA's command buffers, but not in a speculative engine, whose loop launches each step
+        # after reading the last (launch_mode).
+        self._step_options = launch_mode.compiler_options(runner_config.platform, runner_config.host_bound_steps)
         self._steps = {
             decode_only: jax.jit(
                 functools.partial(
@@ -193,6 +196,7 @@ class ModelRunner:
                 donate_argnums=1,
                 in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * (4 + num_mm),
                 out_shardings=(logits_sharding, batch_sharding, cache_shardings),
+                compiler_options=self._step_options,
             )
             for decode_only in (False, True)
         }
@@ -404,10 +408,10 @@ class ModelRunner:
 
         def compile_step(shape: tuple[int, int, bool], lowered) -> None:
             t0 = time.perf_counter()
-            self._programs[shape] = program = lowered.compile()
+            self._programs[shape] = program = lowered.compile(self._step_options)
             self.compile_seconds[shape] = time.perf_counter() - t0  # side by side with others: wall, not CPU
             if store is not None:
-                store.save(_step_name(shape), program)
+                store.save(_step_name(shape, self._step_options), program)
 
         def compile_sampler(key: tuple, lowered) -> None:
             self._sampler_programs[key] = program = lowered.compile()
@@ -423,7 +427,8 @@ class ModelRunner:
                 else:
                     jobs.append(pool.submit(compile_sampler, key, lower()))
             for shape in shapes:
-                program = store.load(_step_name(shape), list(self.mesh.devices.flat)) if store is not None else None
+                name = _step_name(shape, self._step_options)
+                program = store.load(name, list(self.mesh.devices.flat)) if store is not None else None
                 if program is not None:
                     self._programs[shape] = program
                     bar.update()
@@ -510,9 +515,9 @@ def _sampler_key(md: SamplingMetadata) -> tuple:
             md.history.shape[1])
 
 
-def _step_name(shape: tuple[int, int, bool]) -> str:
+def _step_name(shape: tuple[int, int, bool], options: dict | None) -> str:
     t, b, decode_only = shape
-    return f"step-t{t}-b{b}" + ("-decode" if decode_only else "")
+    return f"step-t{t}-b{b}" + ("-decode" if decode_only else "") + launch_mode.describe(options)
 
 
 def _sampler_name(key: tuple) -> str:

@@ -85,18 +85,20 @@ def run_model(
     return (hidden, [*layer_caches, store], aux) if with_aux else (hidden, [*layer_caches, store])
 
 
-def compile_in_parallel(lowered: dict) -> dict:
-    """{key: jax Lowered} -> {key: compiled program}, compiled side by side (XLA compiles without the GIL)."""
+def compile_in_parallel(lowered: dict, options: dict | None = None) -> dict:
+    """{key: jax Lowered} -> {key: compiled program}, compiled side by side (XLA compiles without the GIL), with
+    XLA ``options`` (jaxserve.launch_mode) or its defaults."""
     workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
-        jobs = {key: pool.submit(low.compile) for key, low in lowered.items()}
+        jobs = {key: pool.submit(low.compile, options) for key, low in lowered.items()}
         return {key: job.result() for key, job in jobs.items()}
 
 
-def load_or_compile(store, devices: list, shapes, name_of, lower) -> tuple[dict, int]:
+def load_or_compile(store, devices: list, shapes, name_of, lower, options: dict | None = None) -> tuple[dict, int]:
     """Programs for ``shapes``: each loaded from the executable ``store`` under ``name_of(shape)`` when an earlier
     start saved it there, else lowered by ``lower(shape)``, compiled side by side and saved. ``store`` None (CPU):
-    everything compiles. Returns ({shape: program}, how many were loaded)."""
+    everything compiles; ``options``: XLA's, for every program (``name_of`` must tell them apart). Returns
+    ({shape: program}, how many were loaded)."""
     programs, lowered = {}, {}
     for shape in shapes:
         program = store.load(name_of(shape), devices) if store is not None else None
@@ -104,7 +106,7 @@ def load_or_compile(store, devices: list, shapes, name_of, lower) -> tuple[dict,
             programs[shape] = program
         else:
             lowered[shape] = lower(shape)
-    compiled = compile_in_parallel(lowered)
+    compiled = compile_in_parallel(lowered, options)
     if store is not None:
         for shape, program in compiled.items():
             store.save(name_of(shape), program)

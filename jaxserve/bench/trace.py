@@ -37,6 +37,10 @@ def capture(out_dir: str):
         yield
 
 
+class WindowMissed(ValueError):
+    """The traced run ended before the window's first step: nothing was traced (the run itself went well)."""
+
+
 @contextlib.contextmanager
 def step_window(engine, out_dir: str, first: int, count: int):
     """Trace engine steps ``first`` .. ``first + count - 1`` of what runs inside the block (a window of a long
@@ -66,8 +70,8 @@ def step_window(engine, out_dir: str, first: int, count: int):
         if active[0]:  # the run ended inside the window
             jax.profiler.stop_trace()
     if not seen[0] > first:  # (only when the block ran to its end: an error inside it is the one to see)
-        raise ValueError(f"the run took {seen[0]} steps, so a trace from step {first} never started: "
-                         f"lower the first step of --trace-steps")
+        raise WindowMissed(f"the run took {seen[0]} steps, so a trace from step {first} never started: "
+                           f"lower the first step of --trace-steps")
 
 
 def parse_window(text: str) -> tuple[int, int]:

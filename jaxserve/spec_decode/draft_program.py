@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve import launch_mode
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import argmax
 from jaxserve.step_program import load_or_compile, unpack_inputs
@@ -117,6 +118,10 @@ class RoundPrograms:
 
     name = "proposal"
     store_prefix = "proposal"  # the programs' names in the executable store start with this
+    # Whether a round's launch waits on the host (launch_mode): a draft model's rounds launch while the verify
+    # step before them runs (fed rounds) or are ~800 kernels the host issues slower than the device runs them;
+    # an EAGLE head's are a few dozen, launched after the host read the step (subclasses say).
+    host_bound = False
 
     def __init__(self, runner, k: int, jitted) -> None:
         self.runner = runner  # whose buckets (and, for a draft model, weights and cache) the rounds use
@@ -126,6 +131,7 @@ class RoundPrograms:
         self.num_lazy_compiles = 0
         self.num_loaded_programs = 0  # programs the last warmup loaded from the executable store
         self.loop = "unroll" if unrolled() else "fori"  # as the subclass's jitted function was built, just before
+        self._options = launch_mode.compiler_options(runner.runner_config.platform, self.host_bound)
 
     def _lead(self) -> tuple:
         raise NotImplementedError
@@ -167,7 +173,7 @@ class RoundPrograms:
         start = time.perf_counter()
         programs, self.num_loaded_programs = load_or_compile(
             self._store(), list(self.runner.mesh.devices.flat), self.shapes(), self._store_name,
-            lambda shape: self._lower(shape, (*self._lead(), *self._args(shape))),
+            lambda shape: self._lower(shape, (*self._lead(), *self._args(shape))), self._options,
         )  # fmt: skip
         self._programs.update(programs)
         return time.perf_counter() - start
@@ -182,7 +188,7 @@ class RoundPrograms:
         """A round program's name in the store: what the runner's context does not say (k, the decode loop's
         form, the shape). A forced acceptance length changes the verify step only, not the rounds."""
         t, b = shape
-        return f"{self.store_prefix}-k{self.k}-{self.loop}-t{t}-b{b}"
+        return f"{self.store_prefix}-k{self.k}-{self.loop}-t{t}-b{b}" + launch_mode.describe(self._options)
 
     def __call__(self, x) -> jax.Array:
         """Run one round on ``x`` (what ``_args`` takes); returns proposals [S, k] on the device."""
@@ -194,7 +200,7 @@ class RoundPrograms:
         if program is None:
             logging.getLogger("jaxserve").info("compiling %s program %s on first use", self.name, key)
             self.num_lazy_compiles += 1
-            program = self._programs[key] = self._lower(key, args).compile()
+            program = self._programs[key] = self._lower(key, args).compile(self._options)
         proposals, cache = program(*args)
         self._keep(cache)
         return proposals

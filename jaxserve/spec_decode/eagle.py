@@ -87,6 +87,7 @@ def eagle_round(target, head, head_kv, states, d2t, ids, md, k, block_size, num_
 class EaglePrograms(RoundPrograms):
     name = "EAGLE proposal"
     store_prefix = "eagle"
+    host_bound = True  # a few dozen kernels, launched after the host read the verify step (launch_mode)
 
     def __init__(self, target_runner, head, d2t: np.ndarray, kv_caches, k: int) -> None:
         from jaxserve import sharding

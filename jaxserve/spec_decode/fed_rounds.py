@@ -127,6 +127,7 @@ class FedPrograms(RoundPrograms):
         r = rounds.runner
         self.rounds = rounds
         self.store_prefix = rounds.store_prefix + "-fed"  # in the store beside the rounds' own programs
+        self.host_bound = rounds.host_bound  # launched as the rounds' are (launch_mode)
         num_slots = r.num_blocks * r.block_size
         self.rows = r.max_rows
         self.eagle = hasattr(rounds, "head_graph")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve import buckets
+from jaxserve import buckets, launch_mode
 from jaxserve.batch_builder import build_step_inputs
 from jaxserve.kv_scale_calibration import with_kv_scales
 from jaxserve.model_runner import ModelRunner
@@ -127,6 +127,8 @@ class VerifyRunner:
         self._steps = {pure: jax.jit(functools.partial(verify, pure), donate_argnums=1) for pure in (False, True)}
         self._accept = jax.jit(functools.partial(_accept, k, forced_acceptance_length))
         self._programs: dict[tuple[int, int, int, bool], object] = {}  # (T, B, R, pure) -> compiled verify step
+        # Launched kernel by kernel on GPUs: a verify step's launch waits for the step before it (launch_mode).
+        self._options = launch_mode.compiler_options(runner.runner_config.platform, host_bound=True)
         self.num_lazy_compiles = 0
         # On an accelerator copy_to_host_async only queues the copy; XLA:CPU's waits for the step (measured: 0.06-0.1
         # ms of a CPU step's host time), and its "copy" is a host memcpy anyway.
@@ -180,7 +182,8 @@ class VerifyRunner:
             logger.info("compiling verify step tokens=%d ctx=%d rows=%d pure=%s on first use", t, b * r.block_size,
                         num_rows, pure)
             self.num_lazy_compiles += 1
-            program = self._programs[key] = self._steps[pure].lower(r.params, r.kv_caches, *args).compile()
+            lowered = self._steps[pure].lower(r.params, r.kv_caches, *args)
+            program = self._programs[key] = lowered.compile(self._options)
         logits, tokens, num_emitted, packed, scored_rows, states, r.kv_caches = program(r.params, r.kv_caches, *args)
         lp = None
         if md is not None:
@@ -228,7 +231,8 @@ class VerifyRunner:
             return self._steps[pure].lower(r.params, r.kv_caches, *args)
 
         programs, self.num_loaded_programs = load_or_compile(
-            r._executable_store(), list(r.mesh.devices.flat), self.startup_shapes(), self._store_name, lower
+            r._executable_store(), list(r.mesh.devices.flat), self.startup_shapes(), self._store_name, lower,
+            self._options,
         )  # fmt: skip
         self._programs.update(programs)
         return time.perf_counter() - start
@@ -238,7 +242,8 @@ class VerifyRunner:
         name adds what only the verify step has (k, a forced acceptance length, the shape and the pure flag)."""
         t, b, n, pure = shape
         forced = "" if self.forced is None else f"-a{self.forced}"
-        return f"verify-k{self.k}{forced}-t{t}-b{b}-r{n}" + ("-pure" if pure else "")
+        tail = ("-pure" if pure else "") + launch_mode.describe(self._options)
+        return f"verify-k{self.k}{forced}-t{t}-b{b}-r{n}" + tail
 
     def fetch(self, handle) -> ModelRunnerOutput:
         """Read a step back: ``emitted_token_ids`` per row (a plain step's one token becomes a list of one)."""

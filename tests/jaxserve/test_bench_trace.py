@@ -72,8 +72,12 @@ def test_throughput_traces_a_window_of_steps(tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["trace"]["steps"] == [2, 3] and res["trace"]["host_top"]
-    assert main([*base, "--trace-dir", str(tmp_path / "tr2"), "--trace-steps", "1000:5"]) != 0
+    # A window past the run's end: the exit status says so, and the timed numbers are written all the same.
+    out2 = tmp_path / "tp2.json"
+    assert main([*base, "--output-json", str(out2), "--trace-dir", str(tmp_path / "tr2"), "--trace-steps", "1000:5"]) != 0
     assert "never started: lower the first step of --trace-steps" in capsys.readouterr().err
+    res2 = json.loads(out2.read_text())
+    assert res2["output_tokens"] == res["output_tokens"] and "never started" in res2["trace"]["error"]
 
 
 def test_bad_window_is_named():

@@ -228,3 +228,26 @@ def test_streamed_outputs_with_deferred_processing(llm):
     assert plain[0].outputs[0].text.startswith(aborted.outputs[0].text) and aborted.outputs[0].text
     while engine.has_unfinished_requests():
         assert engine.step() == []  # the held output of the aborted request is dropped
+
+
+def test_verify_programs_launched_kernel_by_kernel(llm, monkeypatch):
+    """Verify programs compiled as a GPU compiles them (no command buffers: jaxserve.launch_mode) give the same
+    tokens, and are stored under their own names."""
+    from jaxserve import launch_mode
+    from jaxserve.spec_decode.verify import VerifyRunner
+
+    monkeypatch.setattr(launch_mode, "compiler_options", lambda platform, host_bound: {
+        "xla_gpu_enable_command_buffer": ""} if host_bound else None)
+    # A speculative engine's plain steps launch after reading the last step too: they go kernel by kernel as well.
+    assert llm.llm_engine.runner.runner_config.host_bound_steps
+    spec_ = llm.llm_engine.speculator
+    saved = spec_.verifier
+    spec_.verifier = verifier = VerifyRunner(llm.llm_engine.runner, K)
+    try:
+        assert verifier._options == {"xla_gpu_enable_command_buffer": ""}
+        assert verifier._store_name((16, 4, 16, True)).endswith("-pure-nocb")
+        prompts, params = _prompts_and_params(llm)
+        _check_same(llm, prompts[:2], params[:2])
+        assert verifier.num_lazy_compiles >= 1  # its own programs ran, compiled with the option
+    finally:
+        spec_.verifier = saved
