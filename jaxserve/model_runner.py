@@ -186,7 +186,7 @@ class ModelRunner:
             self.vision = VisionRunner(self, vl_config, self._pool_rows, param_shardings, batch_sharding)
         num_mm = 2 if self.vision is not None else 0  # (mm_fields, image pool)
         # Plain steps keep XLA's command buffers, but not in a speculative engine, whose loop launches each step
-        # after reading the last (launch_mode).
+        # after reading the last (launch_mode). Given to jit, the options reach every compile of these steps.
         self._step_options = launch_mode.compiler_options(runner_config.platform, runner_config.host_bound_steps)
         self._steps = {
             decode_only: jax.jit(
@@ -408,7 +408,7 @@ class ModelRunner:
 
         def compile_step(shape: tuple[int, int, bool], lowered) -> None:
             t0 = time.perf_counter()
-            self._programs[shape] = program = lowered.compile(self._step_options)
+            self._programs[shape] = program = lowered.compile()  # with the jit's compiler_options
             self.compile_seconds[shape] = time.perf_counter() - t0  # side by side with others: wall, not CPU
             if store is not None:
                 store.save(_step_name(shape, self._step_options), program)
