@@ -15,7 +15,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 # Backends that gather context with jnp: they want context-width buckets and are split by XLA's partitioner.
 GATHER_BACKENDS = ("reference", "xla")
 
-# Backends that read and write an fp8 KV cache (kv_cache_dtype fp8*): every one but the TPU op.
+# Backends that read and write an fp8 KV cache (kv_cache_dtype fp8*): all of them, the TPU op's included.
 FP8_BACKENDS = ("reference", "xla", "pallas")
 
 
@@ -23,11 +23,10 @@ def check_kv_cache_dtype(kv_cache_dtype: str, backend: str, platform: str) -> No
     """Refuse an fp8 cache where the backend cannot read it, rather than serve wrong attention."""
     if kv_cache_dtype == "auto":
         return
-    if backend not in FP8_BACKENDS or (backend == "pallas" and platform == "tpu"):
-        where = f"attention_backend={backend!r}" + (" on TPU" if platform == "tpu" else "")
+    if backend not in FP8_BACKENDS:
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported by {where} yet; use attention_backend='xla' "
-            f"with an fp8 cache, or kv_cache_dtype='auto' with {backend!r}"
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported by attention_backend={backend!r}; use one of "
+            f"{', '.join(FP8_BACKENDS)} with an fp8 cache, or kv_cache_dtype='auto' with {backend!r}"
         )
 
 # (q, k_new, v_new, k_pages, v_pages, md, *, scale, sliding_window, precision) -> (out, k_pages, v_pages);

@@ -152,7 +152,7 @@ def paged_attention_pallas(
     platform: str = "gpu",
     interpret: bool = False,
     config: GpuKernelConfig | None = None,
-    k_scale=1.0,  # fp8 caches only (fp8.py); GPU kernels only (the TPU op reads no fp8 here yet)
+    k_scale=1.0,  # fp8 caches only (fp8.py)
     v_scale=1.0,
     # An fp8 cache's V pages are token-minor, [N, K, D, P] (kv_layout.py); None: kv_layout's switch.
     fp8_v_token_minor: bool | None = None,
@@ -167,16 +167,12 @@ def paged_attention_pallas(
     """
     is_fp8 = fp8.is_fp8(k_pages.dtype)
     if platform == "tpu":
-        if is_fp8:
-            raise ValueError(
-                "the TPU ragged paged attention op does not read an fp8 KV cache in jaxserve yet; use "
-                "kv_cache_dtype='auto' with attention_backend='pallas' on TPU, or attention_backend='xla'"
-            )
         from jaxserve.pallas_kernels.tpu_ragged_adapter import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(
-            q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, interpret=interpret
-        )
+            q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, interpret=interpret,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     cfg = config or GpuKernelConfig()
     v_minor = kv_layout.v_token_minor(v_pages.dtype, switch=fp8_v_token_minor)
     if cfg.kv_write not in ("pallas", "xla"):

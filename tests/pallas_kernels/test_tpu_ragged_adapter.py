@@ -53,3 +53,59 @@ def test_tpu_kernel_in_interpreter():
     ref = ragged_paged_attention_reference(b.q, k_pages, v_pages, b.md, scale=0.1)
     n = int(b.md.query_start_loc[-1])
     np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref[:n]), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_cache_through_the_adapter_matches_reference(fmt, monkeypatch):
+    """An fp8 cache through the TPU path: the adapter's write quantizes with the layer's scales, and what the op
+    reads (its pure-jnp reference stands in for the kernel, given the adapter's exact arguments) equals jaxserve's
+    reference over the same fp8 cache, with the traced scales folded outside the op."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as tpu_kernel
+
+    from jaxserve.pallas_kernels import fp8
+    from jaxserve.pallas_kernels.tpu_ragged_adapter import ragged_paged_attention_tpu
+
+    dtype = fp8.kv_cache_dtype_for(fmt, jnp.float32)
+    b = _batch()
+    k0, v0 = fp8.quantize(b.k_pages, 0.5, dtype), fp8.quantize(b.v_pages, 2.0, dtype)
+    calls = []
+
+    def op(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw):
+        calls.append(kw)
+        assert kv_pages.dtype == dtype  # the op reads the fp8 pages, not a dequantized copy
+        kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "k_scale", "v_scale")}
+        out = tpu_kernel.ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
+        return jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
+
+    monkeypatch.setattr(tpu_kernel, "ragged_paged_attention", op)
+    monkeypatch.setattr("jax.experimental.pallas.ops.tpu.ragged_paged_attention.ragged_paged_attention", op)
+    ks, vs = jnp.float32(0.5), jnp.float32(2.0)  # traced-like scales: arrays, as the model passes them
+    with jax.default_matmul_precision("highest"):
+        # Eager: the op's reference loops over a concrete sequence count.
+        out, k_pages, v_pages = ragged_paged_attention_tpu(
+            b.q, b.k_new, b.v_new, k0, v0, b.md, scale=0.1, k_scale=ks, v_scale=vs
+        )
+        ref = ragged_paged_attention_reference(b.q, k_pages, v_pages, b.md, scale=0.1, k_scale=ks, v_scale=vs)
+    assert calls and calls[0]["k_scale"] == 1.0 and calls[0]["v_scale"] == 1.0
+    # The real op's own checks accept these fp8 inputs (its kernel needs a TPU, or an interpreter newer than 0.10's).
+    op_args = tpu_op_inputs(k_pages, v_pages, b.md)
+    tpu_kernel.static_validate_inputs(b.q, *op_args, sm_scale=0.1, k_scale=1.0, v_scale=1.0)
+    tpu_kernel.get_min_heads_per_blk(b.q.shape[1], op_args[0].shape[2], b.q.dtype, dtype)
+    assert k_pages.dtype == v_pages.dtype == dtype
+    exp_k, exp_v = write_kv(k0, v0, b.k_new, b.v_new, b.md.slot_mapping, ks, vs)
+    np.testing.assert_array_equal(np.asarray(k_pages, np.float32), np.asarray(exp_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(v_pages, np.float32), np.asarray(exp_v, np.float32))
+    n = int(b.md.query_start_loc[-1])
+    np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref[:n]), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_cache_with_odd_kv_heads_refused_clearly():
+    from jaxserve.pallas_kernels import fp8
+    from jaxserve.pallas_kernels.tpu_ragged_adapter import ragged_paged_attention_tpu
+
+    b = make_batch(
+        np.random.default_rng(0), q_lens=[1], ctx_lens=[5], num_heads=2, num_kv_heads=1, head_dim=128, block_size=16
+    )
+    k = fp8.quantize(b.k_pages, 1.0, jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="even number of KV heads per device.*has 1: use kv_cache_dtype='auto'"):
+        ragged_paged_attention_tpu(b.q, b.k_new, b.v_new, k, k, b.md, scale=0.1)
