@@ -134,7 +134,5 @@ def _environment() -> dict[str, Any]:
         "platform_version": devices[0].client.platform_version,
         "devices": [d.device_kind for d in devices],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        # jaxserve's switches that change the traced programs (models.layers.fused_add_norm_mode)
-        "fused_add_norm": os.environ.get("JAXSERVE_FUSED_ADD_NORM", "auto"),
         "source": _source_digest(),
     }

@@ -81,8 +81,9 @@ class EagleHead(nnx.Module):
             x = hidden.astype(embeds.dtype)  # the residual
             both = jnp.concatenate([layer.input_layernorm(embeds), layer.hidden_norm(x)], axis=-1)  # [T, 2D]
             attn, kv = layer.self_attn(both, cos, sin, kv, md)
-        x, h = layer.post_attention_layernorm.add_and_norm(x, attn)
-        return x + layer.mlp(h), kv
+        x = x + attn
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x, kv
 
     def next_tokens(self, out: jax.Array, target, d2t: jax.Array) -> jax.Array:
         """The greedy proposal (a target token id) from the head's output rows: [S, D] -> [S] i32. ``d2t``

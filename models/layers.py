@@ -18,9 +18,7 @@ Parameters are created with ``eager_sharding=False``: the names are metadata onl
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -113,43 +111,10 @@ class RMSNorm(nnx.Module):
         self.scale = _param(None, (dim,), param_dtype, (axis_name,), "ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x [..., dim] -> same shape and dtype
-        return _rms_norm(x, self.scale[...], self.eps)
-
-    def add_and_norm(self, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(x + y, self(x + y))``: a residual add and this norm after it. On a CUDA GPU one Pallas kernel
-        (pallas_kernels/add_rms_norm.py) where XLA would launch two; elsewhere, or with
-        ``JAXSERVE_FUSED_ADD_NORM=never``, the plain add and norm."""
-
-        def unfused(x, y, w):
-            s = x + y
-            return s, _rms_norm(s, w, self.eps)
-
-        w = self.scale[...]
-        if fused_add_norm_mode() == "never" or x.ndim != 2 or x.shape != y.shape or x.dtype != y.dtype:
-            return unfused(x, y, w)
-        from jaxserve.pallas_kernels.add_rms_norm import add_rms_norm_pallas
-
-        fused = functools.partial(add_rms_norm_pallas, eps=self.eps)
-        return jax.lax.platform_dependent(x, y, w, cuda=fused, default=unfused)
-
-
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [..., 1]
-    normed = (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return scale.astype(x.dtype) * normed
-
-
-FUSED_ADD_NORM_MODES = ("auto", "never")
-
-
-def fused_add_norm_mode() -> str:
-    """``JAXSERVE_FUSED_ADD_NORM``: ``auto`` (default) fuses residual adds into the norm after them on CUDA GPUs;
-    ``never`` keeps XLA's add and norm (an A/B switch for benchmarks; it changes the compiled programs)."""
-    value = os.environ.get("JAXSERVE_FUSED_ADD_NORM", "auto")
-    if value not in FUSED_ADD_NORM_MODES:
-        raise ValueError(f"JAXSERVE_FUSED_ADD_NORM={value!r} is not one of {', '.join(FUSED_ADD_NORM_MODES)}")
-    return value
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [..., 1]
+        normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return self.scale[...].astype(x.dtype) * normed
 
 
 class GatedMLP(nnx.Module):

@@ -108,18 +108,13 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp = GatedMLP(cfg, **kw)
 
     def __call__(
-        self, x, cos, sin, kv: KVCache, md: AttentionMetadata, lora: LoRABatch | None = None, pending=None
-    ) -> tuple[jax.Array, jax.Array, KVCache]:
-        """The layer's input is ``x + pending`` (``pending``: the layer before's MLP output, or None), and its
-        output is ``residual + mlp_out`` of what it returns, ``(residual, mlp_out, kv)``, all [T, D]. Each
-        residual add is left to the norm after it (``RMSNorm.add_and_norm``): one kernel for the two on GPU."""
-        if pending is None:
-            h = self.input_layernorm(x)
-        else:
-            x, h = self.input_layernorm.add_and_norm(x, pending)
-        attn_out, kv = self.self_attn(h, cos, sin, kv, md, lora)
-        x, h = self.post_attention_layernorm.add_and_norm(x, attn_out)
-        return x, self.mlp(h, lora), kv
+        self, x, cos, sin, kv: KVCache, md: AttentionMetadata, lora: LoRABatch | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        # x [T, D] -> [T, D]
+        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, lora)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x), lora)
+        return x, kv
 
 
 class LlamaModel(nnx.Module):
@@ -186,15 +181,12 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = self._rope(md.positions, mrope_positions)  # [T, Dh] each
         new_caches, taken = [], {}
         lora = lora if lora is not None else [None] * len(kv_caches)
-        pending = None  # the last MLP output, added into x by the next norm (LlamaDecoderLayer)
         for i, (layer, kv, layer_lora) in enumerate(zip(self.model.layers, kv_caches, lora)):
             if i in aux_layers:
-                if pending is not None:
-                    x, pending = x + pending, None
                 taken[i] = x
-            x, pending, kv = layer(x, cos, sin, kv, md, layer_lora, pending)
+            x, kv = layer(x, cos, sin, kv, md, layer_lora)
             new_caches.append(kv)
-        out = self.model.norm(x) if pending is None else self.model.norm.add_and_norm(x, pending)[1]
+        out = self.model.norm(x)
         if not aux_layers:
             return out, new_caches
         taken[len(self.model.layers)] = out
