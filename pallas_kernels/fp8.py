@@ -47,6 +47,13 @@ def dequantize(x: jax.Array, scale, dtype=jnp.float32) -> jax.Array:
     return (x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(dtype)
 
 
+def fold_scale(x: jax.Array, scale) -> jax.Array:
+    """``x`` times a K or V scale, rounded back to ``x``'s dtype. Kernels that read fp8 pages as stored fold the
+    scales outside themselves (dequantization is linear): q·(k·ks) = (q·ks)·k, and sum p·(v·vs) = vs·sum p·v.
+    One extra rounding in ``x``'s dtype, exact for the default scale 1.0."""
+    return (x.astype(jnp.float32) * scale).astype(x.dtype)
+
+
 def round_trip(x: jax.Array, scale, dtype) -> jax.Array:
     """``x`` as a reader of an fp8 cache sees it after a write (float32): quantize, then dequantize.
 

@@ -185,14 +185,13 @@ def paged_attention_pallas(
     else:
         k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale, v_minor)
     if is_fp8:
-        # One extra rounding of q in its own dtype (exact for the default scale 1.0): far below fp8's.
-        q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
+        q = fp8.fold_scale(q, k_scale)
     out = ragged_attention_gpu(
         q, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
         interpret=interpret, config=config, v_token_minor=v_minor,
     )  # fmt: skip
     if is_fp8:
-        out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
+        out = fp8.fold_scale(out, v_scale)
     return out, k_pages, v_pages
 
 

@@ -7,8 +7,7 @@ combined instead (a layout change in the runner, not in this interface).
 
 An fp8 cache (fp8.py) goes to the op as fp8 pages. The op converts each K/V tile to q's dtype in the kernel when
 given a scale, but takes only a static Python float; jaxserve's per-layer scales are traced values (loaded or
-calibrated). So the op gets 1.0, and the real scales are folded outside it, exactly as on the GPU (dequantization
-is linear): q·(k·ks) = (q·ks)·k, and sum p·(v·vs) = vs·sum p·v.
+calibrated). So the op gets 1.0, and the real scales are folded outside it, as on the GPU (``fp8.fold_scale``).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def ragged_paged_attention_tpu(
     k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale)
     op_args = tpu_op_inputs(k_pages, v_pages, md)
     if is_fp8:
-        q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
+        q = fp8.fold_scale(q, k_scale)
     # On CPU the op runs through Pallas's TPU interpreter (tests); on a TPU it compiles with Mosaic.
     ctx = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
     # Off a TPU the op's tuning table cannot read a chip version, so the interpreter gets fixed blocks.
@@ -66,7 +65,7 @@ def ragged_paged_attention_tpu(
             **(blocks if interpret else {}),
         )
     if is_fp8:
-        out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
+        out = fp8.fold_scale(out, v_scale)
     return out, k_pages, v_pages
 
 

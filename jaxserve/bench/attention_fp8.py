@@ -49,9 +49,9 @@ from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
 def _attention(q, k, v, md, *, k_scale, v_scale, interpret, config=None, v_token_minor=False):
     """The pallas backend's read path over any cache (fp8: scales folded into q and the output)."""
     if fp8.is_fp8(k.dtype):
-        q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
+        q = fp8.fold_scale(q, k_scale)
     out = ragged_attention_gpu(q, k, v, md, scale=D**-0.5, interpret=interpret, config=config, v_token_minor=v_token_minor)
-    return (out.astype(jnp.float32) * v_scale).astype(out.dtype) if fp8.is_fp8(k.dtype) else out
+    return fp8.fold_scale(out, v_scale) if fp8.is_fp8(k.dtype) else out
 
 
 # A --variant key that is not a GpuKernelConfig field: the fp8 cache's V pages token-minor (kv_layout.py).
