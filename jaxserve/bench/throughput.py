@@ -50,7 +50,7 @@ def add_parser(bench_sub, add_engine_args) -> None:
 def run(ns: argparse.Namespace) -> int:
     import jax
 
-    from jaxserve.bench import latency, roofline, trace
+    from jaxserve.bench import latency, roofline, step_timeline, trace
     from jaxserve.bench.hf_generate import run_in_subprocess
     from jaxserve.bench.workload import dataset_workload, random_workload
     from jaxserve.cli import engine_args_from
@@ -83,9 +83,10 @@ def run(ns: argparse.Namespace) -> int:
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=w.output_len) for w in work]
 
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm the host paths; shapes are precompiled
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
+    with step_timeline.record(engine) as steps:  # a few microseconds a step: the timed run keeps it
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(w.prompt_token_ids) for w in work)
     result = {
@@ -111,7 +112,11 @@ def run(ns: argparse.Namespace) -> int:
         "jax": jax.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
+        # Per group of consecutive steps: wall, host and wait ms (step_timeline); empty for a DP router.
+        "step_timeline": step_timeline.summarize(steps),
     }
+    if steps:
+        print(step_timeline.format_summary(result["step_timeline"]))
     print(
         f"jaxserve: {len(work)} requests in {elapsed:.2f}s: {result['requests_per_s']:.2f} req/s, "
         f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s, "
