@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import typing
 
-from jaxserve.config import EngineArgs
+from jaxserve.config import NOT_FLAGS, EngineArgs
 
 _HELP = {
     "model": "HF model directory, .gguf file, `jaxserve convert` directory, or omit for the embedded default "
@@ -17,7 +17,7 @@ _HELP = {
     "tensor cores on NVIDIA GPUs: faster, ~1e-3 relative error); bf16/fp16 models ignore it",
     "max_model_len": "context length (default: the model's)",
     "max_num_seqs": "most sequences in one step (default 256 on accelerators, 64 on CPU)",
-    "max_num_batched_tokens": "token budget of one step (default 2048 on accelerators, 256 on CPU)",
+    "max_num_batched_tokens": "token budget of one step (default 2048 on accelerators, 16384 for offline LLM use there, 256 on CPU)",
     "block_size": "tokens per KV cache block",
     "kv_cache_dtype": "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: KV in one byte a value",
     "calculate_kv_scales": "fp8 KV cache: set each layer's K/V scale from the first prefill's largest |K|, |V| "
@@ -58,6 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     group = parser.add_argument_group("engine options")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
+        if f.name in NOT_FLAGS:
+            continue
         if f.name == "model" and positional_model:
             parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None, help=_HELP["model"])
         names = [f"--{f.name.replace('_', '-')}"]
@@ -75,7 +77,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if f.name not in NOT_FLAGS}
     if getattr(ns, "model_pos", None) and not values["model"]:
         values["model"] = ns.model_pos
     return EngineArgs(**values)

@@ -20,6 +20,8 @@ FP32_MATMUL_PRECISIONS = ("highest", "tf32")
 # Which step shapes compile at start-up (the rest compile on first use): see jaxserve.buckets.startup_shapes.
 PRECOMPILE = ("auto", "all", "common", "none")
 RUNNERS = ("auto", "generate", "pooling")
+USAGE_CONTEXTS = ("engine", "llm")  # EngineArgs.usage_context
+NOT_FLAGS = {"usage_context"}  # EngineArgs fields set by the code that builds the engine: no command-line flag
 TASKS = ("auto", "generate", "embed", "embedding")
 
 
@@ -34,7 +36,7 @@ class EngineArgs:
     fp32_matmul_precision: str = "highest"  # highest | tf32: float32 models only (faster, ~1e-3 relative error)
     max_model_len: Optional[int] = None  # defaults to the model's max_position_embeddings
     max_num_seqs: Optional[int] = None  # defaults: 256 on accelerators, 64 on CPU
-    max_num_batched_tokens: Optional[int] = None  # defaults: 2048 on accelerators, 256 on CPU
+    max_num_batched_tokens: Optional[int] = None  # defaults: 2048 on accelerators (16384 for the LLM class), 256 on CPU
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: Optional[int] = None  # fix the number of KV blocks (tests, experiments)
@@ -83,6 +85,9 @@ class EngineArgs:
     limit_mm_per_prompt: Optional[Any] = None
     mm_processor_kwargs: Optional[Any] = None
     allowed_local_media_path: Optional[str] = None
+    # Who runs the engine, as vLLM's usage context: "llm" (the offline LLM class, which sets it) or "engine" (a
+    # server, the CLI's other commands). It picks defaults only (max_num_batched_tokens: engine_setup.py); no flag.
+    usage_context: str = "engine"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -115,6 +120,8 @@ class EngineArgs:
         if self.calculate_kv_scales and str(self.kv_cache_dtype).replace("-", "_") == "auto":
             want = "scales exist only for an fp8 cache: set kv_cache_dtype='fp8' too, or leave it off"
             raise bad("calculate_kv_scales", want)
+        if self.usage_context not in USAGE_CONTEXTS:
+            raise bad("usage_context", f"choose one of {USAGE_CONTEXTS}")
         if self.precompile not in PRECOMPILE:
             raise bad("precompile", f"choose one of {PRECOMPILE}")
         if self.load_format not in LOAD_FORMATS:

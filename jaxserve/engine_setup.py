@@ -19,6 +19,20 @@ _DEFAULTS = {
     "cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 256},
     "accel": {"max_num_seqs": 256, "max_num_batched_tokens": 2048},
 }
+# Offline (the LLM class) on accelerators, as vLLM does: a bigger step budget, since no request waits on another's
+# step. Prompts then enter in a few large steps and the sequences finish nearly together, so the run's tail of
+# ever smaller decode batches goes: 256 x 512 -> 256 on the H200, Llama-3-8B shape, 9,416 -> 9,720 output tok/s
+# (2,048 -> 16,384; docs/BENCHMARKS.md §28). A server keeps 2,048: each prompt step delays every stream's
+# next token.
+_OFFLINE_ACCEL_BATCHED_TOKENS = 16384
+
+
+def default_max_num_batched_tokens(platform: str, usage_context: str) -> int:
+    """The step's token budget when none is given: by platform, and bigger for the offline LLM class on
+    accelerators (``_OFFLINE_ACCEL_BATCHED_TOKENS``)."""
+    if platform == "cpu":
+        return _DEFAULTS["cpu"]["max_num_batched_tokens"]
+    return _OFFLINE_ACCEL_BATCHED_TOKENS if usage_context == "llm" else _DEFAULTS["accel"]["max_num_batched_tokens"]
 
 
 @dataclasses.dataclass
@@ -120,7 +134,7 @@ def build_engine_components(
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     defaults = _DEFAULTS["cpu" if platform == "cpu" else "accel"]
     max_num_seqs = args.max_num_seqs or defaults["max_num_seqs"]
-    max_batched = args.max_num_batched_tokens or defaults["max_num_batched_tokens"]
+    max_batched = args.max_num_batched_tokens or default_max_num_batched_tokens(platform, args.usage_context)
     if not args.enable_chunked_prefill:
         if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max_model_len:
             raise ValueError(

@@ -30,6 +30,7 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         progress = kwargs.pop("use_tqdm_on_load", True)
+        kwargs["usage_context"] = "llm"  # offline: defaults for throughput (engine_setup.py)
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, progress=progress)
         self._ids = itertools.count()

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve import buckets, kv_scale_calibration, launch_mode, sharding
+from jaxserve import buckets, gemm_backend, kv_scale_calibration, launch_mode, sharding
 from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.executable_store import ExecutableStore
@@ -374,11 +374,9 @@ class ModelRunner:
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
             return sample_padded(logits, sampling_md, self.max_rows)
         key = (x.input_ids.shape[0], x.block_tables.shape[1], decode_only)
-        step = self._programs.get(key, self._steps[decode_only])
-        logits, greedy, self.kv_caches = step(
-            self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, self._kv_scales_arr,
-            *self._mm_args(mm_fields),
-        )
+        args = (self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, self._kv_scales_arr,
+                *self._mm_args(mm_fields))  # fmt: skip
+        logits, greedy, self.kv_caches = self._program(key, args)(*args)
         if sampling_md.plain_greedy:
             return SamplerOutput(token_ids=greedy)  # the step's own argmax: no sampler program to launch
         return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md)
@@ -408,10 +406,11 @@ class ModelRunner:
 
         def compile_step(shape: tuple[int, int, bool], lowered) -> None:
             t0 = time.perf_counter()
-            self._programs[shape] = program = lowered.compile()  # with the jit's compiler_options
+            # The jit's compiler_options, plus the shape's own (gemm_backend).
+            self._programs[shape] = program = lowered.compile(self._shape_options(shape[0]))
             self.compile_seconds[shape] = time.perf_counter() - t0  # side by side with others: wall, not CPU
             if store is not None:
-                store.save(_step_name(shape, self._step_options), program)
+                store.save(_step_name(shape, self._step_options, self._shape_options(shape[0])), program)
 
         def compile_sampler(key: tuple, lowered) -> None:
             self._sampler_programs[key] = program = lowered.compile()
@@ -427,7 +426,7 @@ class ModelRunner:
                 else:
                     jobs.append(pool.submit(compile_sampler, key, lower()))
             for shape in shapes:
-                name = _step_name(shape, self._step_options)
+                name = _step_name(shape, self._step_options, self._shape_options(shape[0]))
                 program = store.load(name, list(self.mesh.devices.flat)) if store is not None else None
                 if program is not None:
                     self._programs[shape] = program
@@ -499,6 +498,21 @@ class ModelRunner:
                 out.append((_sampler_key(md), functools.partial(self._sample.lower, logits, md)))
         return out
 
+    def _shape_options(self, t: int) -> dict | None:
+        """XLA options of one step shape beyond the jit's own (gemm_backend: large steps use cuBLAS)."""
+        return gemm_backend.compiler_options(self.runner_config.platform, t)
+
+    def _program(self, key: tuple[int, int, bool], args: tuple):
+        """The compiled step for ``key``: from start-up, or compiled now (first use) with the shape's options."""
+        program = self._programs.get(key)
+        if program is not None:
+            return program
+        extra = self._shape_options(key[0])
+        if extra is None:
+            return self._steps[key[2]]  # jit compiles it inside the call, once
+        program = self._programs[key] = self._steps[key[2]].lower(*args).compile(extra)
+        return program
+
     def _dummy_args(self, t: int, b: int) -> tuple:
         """The step's arguments for a padding-only batch of shape (t tokens, b blocks per sequence)."""
         s = buckets.seq_bucket_for(t, self.scheduler_config.max_num_seqs)
@@ -515,9 +529,10 @@ def _sampler_key(md: SamplingMetadata) -> tuple:
             md.history.shape[1])
 
 
-def _step_name(shape: tuple[int, int, bool], options: dict | None) -> str:
+def _step_name(shape: tuple[int, int, bool], options: dict | None, shape_options: dict | None = None) -> str:
     t, b, decode_only = shape
-    return f"step-t{t}-b{b}" + ("-decode" if decode_only else "") + launch_mode.describe(options)
+    tail = launch_mode.describe(options) + gemm_backend.describe(shape_options)
+    return f"step-t{t}-b{b}" + ("-decode" if decode_only else "") + tail
 
 
 def _sampler_name(key: tuple) -> str:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from jaxserve.config import EngineArgs
+from jaxserve.config import NOT_FLAGS, EngineArgs
 
 
 def engine_flags(args: EngineArgs) -> list[str]:
@@ -21,7 +21,7 @@ def engine_flags(args: EngineArgs) -> list[str]:
     flags = []
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
-        if value == f.default:
+        if value == f.default or f.name in NOT_FLAGS:
             continue
         name = f"--{f.name.replace('_', '-')}"
         if isinstance(value, bool):

@@ -1,6 +1,6 @@
 """The model's own matmuls, timed alone through XLA (and through torch's cuBLAS beside them, when asked).
 
-    python -m jaxserve.bench.matmul_shapes [--shape llama3-8b] [--rows 1,16,256,2048,8192] [--torch] [--out rows.json]
+    python -m jaxserve.bench.matmul_shapes [--shape llama3-8b] [--rows 1,16,256,2048,8192] [--torch] [--device-time DIR] [--out rows.json]
 
 Why: the engine's steps are mostly matmuls (a decode step of 256 sequences spends ~6 of its 15 ms in them,
 a prefill step of 2,048 tokens nearly all of its time), so how fast XLA runs each projection's shape, and
@@ -10,7 +10,9 @@ its roofline the matmuls hold. ``XLA_FLAGS`` set for the process is recorded wit
 
 Each (projection, rows) pair runs R products over R distinct weight copies (more bytes than the L2 cache, as a
 step's layers have), inside one jitted call, several calls back to back: per product, the call's time / R.
-bf16 operands and output, float32 accumulation, as ``models.layers.Linear`` runs them.
+bf16 operands and output, float32 accumulation, as ``models.layers.Linear`` runs them. The wall clock times
+products under ~20 µs by the host's launches, not the device: ``--device-time DIR`` takes the device's busy
+time from a profiler trace instead. torch's products run from a replayed CUDA graph, timed by CUDA events.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def _copies(k: int, n: int, itemsize: int = 2, l2_bytes: int = 2 << 30) -> int:
     return max(4, min(32, l2_bytes // (k * n * itemsize)))
 
 
-def time_jax(m: int, k: int, n: int, calls: int = 5) -> float:
-    """Seconds per product of [m, k] x [k, n] in bf16 through a jitted call of R products."""
+def time_jax(m: int, k: int, n: int, calls: int = 5, trace_dir: str | None = None) -> float:
+    """Seconds per product of [m, k] x [k, n] in bf16 through a jitted call of R products. With ``trace_dir`` the
+    device's busy time from a profiler trace instead of the wall clock: small products finish faster than the
+    host launches them, and the wall clock then times the host."""
     import jax
     import jax.numpy as jnp
 
@@ -56,6 +60,16 @@ def time_jax(m: int, k: int, n: int, calls: int = 5) -> float:
     f = jax.jit(lambda xs, ws: [jnp.dot(x, w) for x, w in zip(xs, ws)])
     jax.block_until_ready(f(xs, ws))  # compile + warm up
     jax.block_until_ready(f(xs, ws))
+    if trace_dir is not None:
+        from jaxserve.bench import trace
+
+        out_dir = os.path.join(trace_dir, f"m{m}-k{k}-n{n}")
+        with trace.capture(out_dir):
+            jax.block_until_ready([f(xs, ws) for _ in range(calls)])
+        devices = trace.summarize(out_dir).devices
+        if not devices:
+            raise RuntimeError("the trace holds no device events (a CPU run): drop --device-time")
+        return sum(d["busy_ms"] for d in devices.values()) / 1e3 / (calls * r)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -66,7 +80,7 @@ def time_jax(m: int, k: int, n: int, calls: int = 5) -> float:
 
 
 def time_torch(m: int, k: int, n: int, calls: int = 5) -> float | None:
-    """The same through torch (cuBLAS), timed with CUDA events; None without a CUDA torch."""
+    """The same through torch (cuBLAS) in a replayed CUDA graph, timed with CUDA events; None without a CUDA torch."""
     try:
         import torch
     except ImportError:
@@ -76,20 +90,25 @@ def time_torch(m: int, k: int, n: int, calls: int = 5) -> float | None:
     r = _copies(k, n)
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(r)]
     ws = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(r)]
+    # Captured once in a CUDA graph and replayed: the products then run back to back, not at the host's pace.
     for x, w in zip(xs, ws):
         x @ w
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [x @ w for x, w in zip(xs, ws)]
+    graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(3):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):
-            for x, w in zip(xs, ws):
-                x @ w
+            graph.replay()
         stop.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(stop) / 1e3 / (calls * r))
-    del xs, ws
+    del xs, ws, outs, graph
     torch.cuda.empty_cache()
     return statistics.median(times)
 
@@ -100,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,16,256,2048,8192", help="comma-separated row counts (tokens in a step)")
     ap.add_argument("--only", default="", help="comma-separated projections to time (default: all)")
     ap.add_argument("--torch", action="store_true", help="time each shape through torch's cuBLAS too")
+    ap.add_argument("--device-time", metavar="DIR", help="time XLA's products by the device's busy time in profiler "
+                    "traces written under DIR (GPU), not the wall clock, which times the host for small products")
     ap.add_argument("--out", help="write the rows as JSON here")
     ns = ap.parse_args(argv)
     cfg = SHAPES[ns.shape]
@@ -117,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, (k, n) in projs.items():
         for m in rows_list:
-            t = time_jax(m, k, n)
+            t = time_jax(m, k, n, trace_dir=ns.device_time)
             flop, wbytes = 2 * m * k * n, 2 * k * n
             row = dict(proj=name, m=m, k=k, n=n, xla_s=t, xla_tflops=flop / t / 1e12, weight_tbps=wbytes / t / 1e12,
-                       xla_flags=flags)  # fmt: skip
+                       xla_flags=flags, timer="device" if ns.device_time else "wall")  # fmt: skip
             line = f"{name:8} {m:5d} {k:6d} {n:7d} {t * 1e6:9.1f} {row['xla_tflops']:8.1f} {row['weight_tbps']:7.2f}"
             if ns.torch:
                 tt = time_torch(m, k, n)
