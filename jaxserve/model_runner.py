@@ -392,7 +392,7 @@ class ModelRunner:
         compiled in a thread pool, since XLA compiles without the GIL: the shapes compile side by side on
         the host's cores. The steps then call those compiled programs directly; the sampler's land in jit's
         in-memory cache. Nothing runs on CPU, where a dummy step of a large bucket costs real seconds; on
-        accelerators the largest step runs once, so a memory shortfall shows at start-up.
+        accelerators every step program runs once (``_prime``).
         """
         if self._eager_model is not None:
             return 0.0
@@ -447,10 +447,20 @@ class ModelRunner:
         if store is not None:
             logger.info("step programs: %d loaded from %s, %d compiled", store.hits, store.root, store.misses)
         if shapes and self.runner_config.platform != "cpu":
-            t, b, decode_only = max(shapes)
-            logits, _, self.kv_caches = self._programs[(t, b, decode_only)](*self._dummy_args(t, b))
-            jax.block_until_ready(logits)
+            self._prime(shapes)
         return time.perf_counter() - start
+
+    def _prime(self, shapes: list[tuple[int, int, bool]]) -> None:
+        """Run every start-up step program once on padding (accelerators; on CPU a large dummy step costs
+        real seconds). The largest goes first, so a memory shortfall shows at start-up. Every program's first
+        launch also loads its kernels and builds its command buffer (a CUDA graph), which costs the host
+        milliseconds. Unprimed, that lands on the first real step of each shape. On a server that is a
+        request's first token. Offline it is the tail, where the batch shrinks through the smaller decode
+        buckets one after another, so every step there waits on the host (BENCHMARKS §29)."""
+        logits = None
+        for t, b, decode_only in sorted(shapes, reverse=True):
+            logits, _, self.kv_caches = self._programs[(t, b, decode_only)](*self._dummy_args(t, b))
+        jax.block_until_ready(logits)
 
     def _executable_store(self, extra: dict | None = None) -> ExecutableStore | None:
         """Where step programs persist between starts, keyed by everything (besides the code and JAX) that

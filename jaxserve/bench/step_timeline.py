@@ -53,6 +53,12 @@ def summarize(steps: list[dict], group: int = 25) -> list[dict]:
     return rows
 
 
+def per_step(steps: list[dict]) -> list[list]:
+    """Every step as [wall ms, wait ms, tokens, running], rounded: compact enough to keep in a result file,
+    for the stretches a group's mean hides (a tail of a dozen steps)."""
+    return [[round(1e3 * s["wall_s"], 3), round(1e3 * s["wait_s"], 3), s["tokens"], s["running"]] for s in steps]
+
+
 def format_summary(rows: list[dict]) -> str:
     lines = ["steps      wall ms  host ms  wait ms  tokens  running"]
     for r in rows:

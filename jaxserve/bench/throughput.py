@@ -114,6 +114,7 @@ def run(ns: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%d"),
         # Per group of consecutive steps: wall, host and wait ms (step_timeline); empty for a DP router.
         "step_timeline": step_timeline.summarize(steps),
+        "step_times": step_timeline.per_step(steps),  # each step: [wall ms, wait ms, tokens, running]
     }
     if steps:
         print(step_timeline.format_summary(result["step_timeline"]))

@@ -61,9 +61,13 @@ def test_throughput_bench_writes_the_timeline(tmp_path):
     rc = main(["bench", "throughput", "--model", str(model), "--num-prompts", "6", "--input-len", "12", "--output-len",
                "5", "--max-model-len", "128", "--compilation-cache-dir", "", "--output-json", str(out)])  # fmt: skip
     assert rc == 0
-    rows = json.loads(out.read_text())["step_timeline"]
+    result = json.loads(out.read_text())
+    rows = result["step_timeline"]
     assert rows and sum(r["steps"] for r in rows) >= 5  # at least one step per output token
     assert all(r["wall_ms"] >= r["wait_ms"] >= 0 for r in rows)
+    per_step = result["step_times"]  # every step, [wall ms, wait ms, tokens, running]
+    assert len(per_step) == sum(r["steps"] for r in rows)
+    assert all(wall >= wait >= 0 and tokens >= 0 and running >= 0 for wall, wait, tokens, running in per_step)
 
 
 def test_matmul_shapes_projections_and_a_quick_run(tmp_path, capsys):

@@ -166,6 +166,27 @@ def test_steady_state_compiles_nothing_new(llm):
         assert set(runner.compile_seconds) == runner.compiled_shapes
 
 
+def test_priming_runs_every_start_up_program_once_and_writes_no_kv(llm, monkeypatch):
+    """On accelerators the warm-up runs every start-up step program once on padding (``_prime``: kernels
+    loaded, command buffers built before the first real step). Here on the CPU, where the warm-up skips it, it is
+    called directly: each program runs once, largest first, and the cache is unchanged (padding's writes drop)."""
+    runner = llm.llm_engine.runner
+    prompt = {"prompt_token_ids": _ids(9, seed=3)}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    cache = [np.asarray(c) for c in jax.tree.leaves(runner.kv_caches)]
+    calls = []
+    for shape, program in list(runner._programs.items()):
+        def counted(*args, _shape=shape, _program=program):
+            calls.append(_shape)
+            return _program(*args)
+        monkeypatch.setitem(runner._programs, shape, counted)
+    runner._prime(sorted(runner.compiled_shapes))
+    assert calls == sorted(runner.compiled_shapes, reverse=True)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(cache, jax.tree.leaves(runner.kv_caches)))
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
 def test_precompile_none_compiles_on_first_use_with_the_same_tokens(llm):
     """precompile="none" starts with nothing compiled; shapes compile as steps reach them, once, and the
     tokens are those of an engine that compiled everything ahead."""
