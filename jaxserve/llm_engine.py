@@ -74,6 +74,9 @@ class LLMEngine:
         self.scheduler = c.scheduler
         self.eos_token_ids = c.eos_token_ids
         self.output_processor = OutputProcessor(self.tokenizer)
+        # While a step computes on an accelerator, the host detokenizes what deferred requests have so far
+        # (OutputProcessor.catch_up_deferred). Not on CPU, where the host's Python and XLA's step share the cores.
+        self._detokenize_while_waiting = self.tokenizer is not None and self.runner.runner_config.platform != "cpu"
         self._rng = random.Random(self.model_config.seed)
         self.async_scheduling = self.args.async_scheduling
         self.speculator = c.speculator  # None unless speculative_config is set (jaxserve.spec_decode)
@@ -361,6 +364,8 @@ class LLMEngine:
             runner_out = self.speculator.fetch(sched, handle)
             before = sum(r.num_output_tokens for r in sched.requests)
         else:
+            if self._detokenize_while_waiting:  # counted as waiting: it only runs while the device computes
+                self.output_processor.catch_up_deferred(lambda: not self.runner.ready(handle))
             runner_out = self.runner.fetch(handle)
         self.loop_time["wait_s"] += time.perf_counter() - wait_start
         # Each request's row, for its logprobs: only a step that returned logprobs needs them.

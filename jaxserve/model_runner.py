@@ -348,6 +348,11 @@ class ModelRunner:
         self._calibration_pending = False
 
     @staticmethod
+    def ready(handle: StepHandle) -> bool:
+        """Whether a dispatched step's samples have been computed (never blocks)."""
+        return handle.sampled.token_ids.is_ready()
+
+    @staticmethod
     def fetch(handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a dispatched step and copy its samples to the host (one transfer)."""
         return to_runner_output(handle.sampled, handle.num_rows)

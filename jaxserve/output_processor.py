@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from jaxserve.detokenizer import IncrementalDetokenizer, decode_token
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -92,6 +92,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
         self.samples: dict[str, tuple[RequestGroup, SampleState]] = {}  # child request id -> state
+        self.deferred_text: dict[str, SampleState] = {}  # the deferred samples with a detokenizer, by child id
 
     def add(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
@@ -103,6 +104,8 @@ class OutputProcessor:
                 and s.request.sampling_params.logprobs is None
                 and (s.detokenizer is None or not s.detokenizer.has_stops)
             )
+            if s.deferred and s.detokenizer is not None:
+                self.deferred_text[s.request.request_id] = s
 
     def child_ids(self, request_id: str) -> list[str]:
         group = self.groups.get(request_id)
@@ -176,6 +179,18 @@ class OutputProcessor:
         self._drop(group)
         return group.output()
 
+    def catch_up_deferred(self, busy: Callable[[], bool], every: int = 16) -> None:
+        """Detokenize the deferred samples' tokens so far, for as long as ``busy()`` holds (asked every ``every``
+        samples). The engine calls this while the device computes the step it is about to read. Otherwise a
+        deferred sample decodes all of its tokens in the step where it finishes. In an offline batch that is
+        the run's last steps, where the device would wait for the host (BENCHMARKS §29). The text is the
+        same: the same tokens go through the same detokenizer, only sooner."""
+        for i, state in enumerate(self.deferred_text.values()):
+            if i % every == 0 and not busy():
+                return
+            if state.num_processed < len(state.request.output_token_ids):
+                self._catch_up(state)
+
     @staticmethod
     def _catch_up(state: SampleState) -> None:
         """Detokenize a deferred sample's tokens not processed yet (it has no stop strings or logprobs)."""
@@ -189,6 +204,7 @@ class OutputProcessor:
         self.groups.pop(group.request_id, None)
         for s in group.samples:
             self.samples.pop(s.request.request_id, None)
+            self.deferred_text.pop(s.request.request_id, None)
 
     def _add_logprobs(self, state: SampleState, token: int, row: int, out: ModelRunnerOutput) -> None:
         k = state.request.sampling_params.logprobs

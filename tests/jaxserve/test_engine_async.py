@@ -112,3 +112,34 @@ def test_preemption_under_overlap_keeps_output():
     overlapped = [o.outputs[0].token_ids for o in _run(llm, prompts, sp, async_on=True)]
     assert llm.llm_engine.get_stats().num_preemptions > before > 0
     assert overlapped == sync
+
+
+def test_deferred_text_built_while_the_device_computes(llm, monkeypatch):
+    """On accelerators the host detokenizes deferred requests (LLM.generate's, no stop strings or logprobs) while
+    it waits for a step, not all at once when they finish. Forced on here, with the step always "computing":
+    the texts, tokens and finish reasons equal those built at the finish, an abort's included."""
+    engine = llm.llm_engine
+    prompts = [{"prompt_token_ids": _ids(n, n)} for n in (5, 17, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (14, 6, 21)]
+    at_finish = _summary(llm.generate(prompts, params, use_tqdm=False))
+    assert all(o[0][1] for o in at_finish)  # the tiny checkpoint has a tokenizer: every output has text
+
+    caught = []
+    original = engine.output_processor._catch_up
+    monkeypatch.setattr(engine.output_processor, "_catch_up", lambda state: (caught.append(state), original(state)))
+    monkeypatch.setattr(engine.runner, "ready", lambda handle: False)
+    monkeypatch.setattr(engine, "_detokenize_while_waiting", True)
+    assert _summary(llm.generate(prompts, params, use_tqdm=False)) == at_finish
+    assert len(caught) > len(prompts)  # text was built step by step, not only at the end
+    assert engine.output_processor.deferred_text == {}  # finished requests leave nothing behind
+
+    sp = params[2]
+    engine.add_request("deferred-abort", prompts[2], sp)
+    for _ in range(6):
+        engine.step()
+    (aborted,) = engine.abort_request("deferred-abort")
+    engine.step()
+    got = aborted.outputs[0]
+    assert got.finish_reason == "abort" and 0 < len(got.token_ids) < sp.max_tokens
+    assert got.text == llm.get_tokenizer().decode(got.token_ids)
+    assert engine.output_processor.deferred_text == {}
