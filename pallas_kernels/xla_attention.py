@@ -93,9 +93,14 @@ def ragged_paged_attention_xla(
         vis = ctx_pos[None, :] < lens[:, None]  # [ch, C]
         if sliding_window is not None:
             vis &= ctx_pos[None, :] > lens[:, None] - 1 - sliding_window
-        sc = jnp.einsum("skgd,sckd->skgc", jax.lax.dynamic_slice_in_dim(q_last, rows, ch), k_seq, precision=precision)
-        sc = sc * scale
-        _, l, o = _partial_softmax(sc, vis[:, None, None, :], v_seq, "skgc,sckd->skgd", precision)
+        # The pages as the left operand: XLA:CPU then lays the gathered K out as [S, K, C, D], moving whole
+        # D-rows, where [S, K, D, C] (q on the left) moved single elements. Write + gather + attention of a
+        # 1-token step, 30 layers alone: 81 -> 57 µs a layer; the whole step gained within its noise (§29).
+        sc = jnp.einsum("sckd,skgd->skcg", k_seq, jax.lax.dynamic_slice_in_dim(q_last, rows, ch), precision=precision)
+        vis = vis[:, None, :, None]  # [ch, 1, C, 1]
+        sc = jnp.where(vis, sc * scale, _MASK_VALUE)  # [ch, K, C, G]
+        p = jnp.where(vis, jnp.exp(sc - sc.max(axis=2, keepdims=True)), 0.0)
+        l, o = p.sum(axis=2), jnp.einsum("skcg,sckd->skgd", p, v_seq, precision=precision)  # [ch, K, G], [ch, K, G, D]
         return jax.lax.dynamic_update_slice_in_dim(out_last, o / jnp.maximum(l, 1e-30)[..., None], rows, 0)
 
     zeros_last = jnp.zeros((s, kh, g, d), f32)
