@@ -19,18 +19,14 @@ Other platforms have no Triton GEMMs: nothing changes there.
 
 from __future__ import annotations
 
-import os
+from jaxserve.launch_mode import env_mode
 
-MODES = ("auto", "always", "never")
 MIN_TOKENS = 256  # the decode bucket of 256 sequences and every prompt-sized step
 _NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 
 
 def mode() -> str:
-    value = os.environ.get("JAXSERVE_TRITON_GEMM", "auto")
-    if value not in MODES:
-        raise ValueError(f"JAXSERVE_TRITON_GEMM={value!r} is not one of {', '.join(MODES)}")
-    return value
+    return env_mode("JAXSERVE_TRITON_GEMM")
 
 
 def compiler_options(platform: str, tokens: int) -> dict | None:

@@ -31,11 +31,17 @@ MODES = ("auto", "always", "never")
 _NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}  # XLA's flag: the command types to record; none
 
 
-def mode() -> str:
-    value = os.environ.get("JAXSERVE_COMMAND_BUFFERS", "auto")
+def env_mode(variable: str) -> str:
+    """A per-program XLA-option policy's mode, from the environment variable ``variable``: one of ``MODES``,
+    "auto" when unset (also gemm_backend's)."""
+    value = os.environ.get(variable, "auto")
     if value not in MODES:
-        raise ValueError(f"JAXSERVE_COMMAND_BUFFERS={value!r} is not one of {', '.join(MODES)}")
+        raise ValueError(f"{variable}={value!r} is not one of {', '.join(MODES)}")
     return value
+
+
+def mode() -> str:
+    return env_mode("JAXSERVE_COMMAND_BUFFERS")
 
 
 def compiler_options(platform: str, host_bound: bool) -> dict | None:
