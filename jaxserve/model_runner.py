@@ -41,7 +41,7 @@ from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
 from jaxserve.pallas_kernels import kv_layout
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
-from jaxserve.pallas_kernels.fp8 import is_fp8, kv_cache_dtype_for
+from jaxserve.pallas_kernels.fp8 import is_fp8, kv_cache_dtype_for, storage_dtype
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import SamplerOutput, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
@@ -151,8 +151,13 @@ class ModelRunner:
         v_shape = kv_layout.v_pages_shape(*cache_shape, self.v_token_minor)
         v_axes = sharding.V_CACHE_TOKEN_MINOR_AXES if self.v_token_minor else sharding.KV_CACHE_AXES
         v_sharding = sharding.logical_sharding(self.mesh, v_axes, v_shape)
+        # The arrays' own dtype: kv_dtype, or bf16's bits on CPU (fp8.storage_dtype says why).
+        self.kv_storage_dtype = storage_dtype(
+            self.kv_dtype, runner_config.platform, runner_config.attention_backend in GATHER_BACKENDS
+        )
         self.kv_caches = allocate_kv_caches(
-            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_dtype,
+            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+            self.kv_storage_dtype,
             sharding=cache_sharding, v_token_minor=self.v_token_minor, v_sharding=v_sharding,
         )
         param_shardings = [x.sharding for x in self.params]

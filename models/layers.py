@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models import cpu_bf16
 from jaxserve.models.config import TextModelConfig
 from jaxserve.pallas_kernels.precision import matmul_precision
 
@@ -74,7 +75,12 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x [T, in] -> [T, *out]
         kernel = self.kernel[...].astype(self.dtype)
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+        if cpu_bf16.applies(self.dtype):  # XLA:CPU's fast bf16 form (models/cpu_bf16.py)
+            y = cpu_bf16.matmul(x.astype(self.dtype), kernel, self.precision).astype(self.dtype)
+        else:
+            y = jax.lax.dot_general(
+                x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision
+            )
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -93,6 +99,8 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:  # x [S, D] -> logits [S, V] float32
         table = self.embedding[...]  # [V, D]
+        if cpu_bf16.applies(table.dtype):
+            return cpu_bf16.tied_logits(x.astype(table.dtype), table, self.precision)
         if x.shape[0] == 1:
             # One row (a single-stream decode): as a matrix-vector product XLA:CPU runs a real dot;
             # the row-times-transposed-table form became a loop fusion ~2x slower than the table read.

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models import cpu_bf16
 from jaxserve.models.config import TextModelConfig
 from jaxserve.models.layers import (
     Embed, GatedMLP, Linear, RMSNorm, apply_rope, mrope_cos_sin, rope_cos_sin, rope_inv_freq,
@@ -206,6 +207,8 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is None:
             return self.model.embed_tokens.attend(hidden)
         kernel = self.lm_head.kernel[...]  # [D, V]
+        if cpu_bf16.applies(kernel.dtype):
+            return cpu_bf16.matmul(hidden.astype(kernel.dtype), kernel, self.lm_head.precision)
         return jnp.dot(
             hidden.astype(kernel.dtype), kernel, precision=self.lm_head.precision, preferred_element_type=jnp.float32
         )

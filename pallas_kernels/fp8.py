@@ -1,4 +1,11 @@
-"""fp8 KV cache: how values are stored (quantize) and read back (dequantize).
+"""The KV cache's stored form: how values are stored (quantize) and read back (dequantize).
+
+Mostly about fp8 caches (below). One other stored form: a bfloat16 cache that a gather backend (``xla``,
+``reference``) keeps on XLA:CPU is stored as its raw bits, in uint16 (``storage_dtype``). XLA:CPU has no bf16
+scatter: it converted every layer's whole cache to float32 and back to write one step's keys (11.7 ms for one
+layer's K of the default model, against 29 µs for the same scatter on uint16; docs/BENCHMARKS.md §30). Stored
+as bits, the write scatters integers and a reader converts only the rows it gathered. The values are exactly
+the bf16 ones; sizes, budgets and everything outside the attention backends still see ``kv_dtype`` bf16.
 
 A cache in an fp8 dtype holds ``clip(x / scale, -max, max)`` rounded to that dtype; a reader multiplies by
 ``scale`` again. Clipping first matters: a plain cast of a value past the format's range gives NaN
@@ -30,9 +37,20 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
+BF16_BITS = jnp.dtype(jnp.uint16)  # a bf16 cache stored as its bits (see the module's docstring)
+
+
+def storage_dtype(kv_dtype, platform: str, gather_backend: bool) -> jnp.dtype:
+    """The dtype the cache arrays are allocated in: ``kv_dtype``, except bf16 bits for a gather backend on CPU."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    return BF16_BITS if kv_dtype == jnp.bfloat16 and platform == "cpu" and gather_backend else kv_dtype
+
+
 def quantize(x: jax.Array, scale, dtype) -> jax.Array:
     """Values as the cache stores them: divided by ``scale``, clipped to ``dtype``'s range, rounded.
-    For a non-fp8 ``dtype`` a plain cast (scales apply to fp8 caches only)."""
+    For a non-fp8 ``dtype`` a plain cast (scales apply to fp8 caches only); bf16 bits for ``BF16_BITS``."""
+    if jnp.dtype(dtype) == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
     if not is_fp8(dtype):
         return x.astype(dtype)
     big = float(jnp.finfo(dtype).max)
@@ -42,6 +60,8 @@ def quantize(x: jax.Array, scale, dtype) -> jax.Array:
 
 def dequantize(x: jax.Array, scale, dtype=jnp.float32) -> jax.Array:
     """What a reader sees of stored values, in ``dtype``: times ``scale`` for an fp8 cache, else a cast."""
+    if x.dtype == BF16_BITS:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
     if not is_fp8(x.dtype):
         return x.astype(dtype)
     return (x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(dtype)

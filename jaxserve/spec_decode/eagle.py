@@ -167,6 +167,7 @@ class EagleProposer(FedRoundsMixin):
         from jaxserve import sharding
         from jaxserve.kv_cache import allocate_kv_caches
         from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn
+        from jaxserve.pallas_kernels.fp8 import storage_dtype
         from jaxserve.spec_decode.eagle_loader import load_head, read_spec
 
         r = target_runner
@@ -188,7 +189,8 @@ class EagleProposer(FedRoundsMixin):
             shardings_fn=sharding.shardings_fn(r.mesh),
         )  # fmt: skip
         kv_shape = (r.num_blocks, r.block_size, c.num_key_value_heads, c.head_dim)
-        kv = allocate_kv_caches(1, *kv_shape, r.dtype,
+        kv_dtype = storage_dtype(r.dtype, rc.platform, rc.attention_backend in GATHER_BACKENDS)  # bf16 bits on CPU
+        kv = allocate_kv_caches(1, *kv_shape, kv_dtype,
                                 sharding=sharding.logical_sharding(r.mesh, sharding.KV_CACHE_AXES, kv_shape))
         programs = EaglePrograms(r, head, d2t, kv, config.num_speculative_tokens)
         sc = r.scheduler_config
