@@ -85,3 +85,35 @@ def generate(llm, prompts, params, speculate: bool = True) -> list:
 def completions(outs) -> list:
     """Per request, each completion's (token ids, text, finish reason): what exactness tests compare."""
     return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+
+def check_priming_writes_no_kv(llm, monkeypatch, prompts, params) -> None:
+    """Accelerators run every start-up verify and round program once on padding at start-up (``prime``). Forced
+    here on CPU over one small shape each, after real requests filled the caches: every cache (the target's, its
+    hidden-state store, the draft's or the EAGLE head's) keeps its bits, the draft's step count is unchanged, and
+    speculation stays exact."""
+    import jax
+    import numpy as np
+
+    from jaxserve.spec_decode.draft_program import RoundPrograms
+
+    monkeypatch.setattr(RoundPrograms, "shapes", lambda self: [(4, self.runner.width_buckets[0])])
+    spec = llm.llm_engine.speculator
+    verifier, proposer = spec.verifier, spec.draft
+    monkeypatch.setattr(type(verifier), "startup_shapes", lambda self: [
+        (4, self.runner.width_buckets[0], self.rows_for(4), pure) for pure in (False, True)])
+    plain = completions(generate(llm, prompts, params, speculate=False))
+
+    def caches():
+        own = getattr(proposer, "runner", None)  # a draft model's runner; an EAGLE head's cache is the programs'
+        held = [llm.llm_engine.runner.kv_caches, own.kv_caches if own is not None else proposer.programs.kv_caches]
+        return [np.asarray(x) for x in jax.tree.leaves(held)]
+
+    before, steps = caches(), getattr(getattr(proposer, "runner", None), "num_steps", None)
+    for programs in (verifier, proposer.programs, proposer.fed):
+        programs.warmup()  # compiles the shape (on CPU it does not prime)
+        programs.prime()
+    after = caches()
+    assert len(before) == len(after) and all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert getattr(getattr(proposer, "runner", None), "num_steps", None) == steps
+    assert completions(generate(llm, prompts, params)) == plain

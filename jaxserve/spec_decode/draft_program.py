@@ -176,7 +176,21 @@ class RoundPrograms:
             lambda shape: self._lower(shape, (*self._lead(), *self._args(shape))), self._options,
         )  # fmt: skip
         self._programs.update(programs)
+        if self.runner.runner_config.platform != "cpu":
+            self.prime()
         return time.perf_counter() - start
+
+    def prime(self) -> None:
+        """Run every start-up round program once on padding, largest first (accelerators; on CPU a large dummy
+        round costs real seconds), as ModelRunner._prime does for the steps: a program's first launch loads its
+        kernels and records its command buffer, which would otherwise land on the first requests' rounds.
+        Padding sequences write no KV (their slots are dropped); the runner's step count is left as it was."""
+        steps, out = self.runner.num_steps, None
+        for key in sorted(self.shapes(), reverse=True):
+            out, cache = self._programs[key](*self._lead(), *self._args(key))
+            self._keep(cache)
+        jax.block_until_ready(out)
+        self.runner.num_steps = steps
 
     def _store(self):
         """Where the round programs persist between starts: the runner's executable store (None on CPU), whose

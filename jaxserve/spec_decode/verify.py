@@ -222,20 +222,35 @@ class VerifyRunner:
         start, r = time.perf_counter(), self.runner
 
         def lower(shape):
-            t, b, n, pure = shape
-            s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
-            x = dummy_inputs(t, s, b, r.num_blocks * r.block_size)
-            rows = np.zeros((4, n), np.int32)
-            rows[1], rows[2] = -1, s
-            args = (*pack_inputs(x), self._no_fed, rows, np.zeros(s, np.int32), r._kv_scales_arr)
-            return self._steps[pure].lower(r.params, r.kv_caches, *args)
+            return self._steps[shape[3]].lower(r.params, r.kv_caches, *self._dummy_args(shape))
 
         programs, self.num_loaded_programs = load_or_compile(
             r._executable_store(), list(r.mesh.devices.flat), self.startup_shapes(), self._store_name, lower,
             self._options,
         )  # fmt: skip
         self._programs.update(programs)
+        if r.runner_config.platform != "cpu":
+            self.prime()
         return time.perf_counter() - start
+
+    def _dummy_args(self, shape: tuple[int, int, int, bool]) -> tuple:
+        """A padding-only verify step of ``shape`` (T, B, R, pure): no sequence, no proposal, every KV write dropped."""
+        t, b, n, _ = shape
+        r = self.runner
+        s = buckets.seq_bucket_for(t, r.scheduler_config.max_num_seqs)
+        x = dummy_inputs(t, s, b, r.num_blocks * r.block_size)
+        rows = np.zeros((4, n), np.int32)
+        rows[1], rows[2] = -1, s
+        return (*pack_inputs(x), self._no_fed, rows, np.zeros(s, np.int32), r._kv_scales_arr)
+
+    def prime(self) -> None:
+        """Run every start-up verify program once on padding, largest first (accelerators), as ModelRunner._prime
+        does for the plain steps: the first launch of each (kernels loaded, command buffer recorded) then lands
+        here and not on the first requests' verify steps. Padding writes no KV."""
+        r, logits = self.runner, None
+        for shape in sorted(self.startup_shapes(), reverse=True):
+            logits, *_, r.kv_caches = self._programs[shape](r.params, r.kv_caches, *self._dummy_args(shape))
+        jax.block_until_ready(logits)
 
     def _store_name(self, shape: tuple[int, int, int, bool]) -> str:
         """A verify program's name in the runner's store: the runner's context keys the model, cache and mesh; the

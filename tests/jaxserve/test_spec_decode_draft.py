@@ -9,7 +9,10 @@ import os
 import jax
 import numpy as np
 import pytest
-from engine_fixtures import _ROOT, checkpoint, completions, fresh_compiles, generate, small_engine_kwargs, speculative_engine
+from engine_fixtures import (
+    _ROOT, check_priming_writes_no_kv, checkpoint, completions, fresh_compiles, generate, small_engine_kwargs,
+    speculative_engine,
+)
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve import LLM, SamplingParams
@@ -203,3 +206,9 @@ def test_abort_while_proposals_wait_on_the_device(llm):
                 done[out.request_id] = out
     assert "ab0" not in done
     assert [[(c.token_ids, c.text, c.finish_reason) for c in done[f"ab{i}"].outputs] for i in (1, 2)] == plain
+
+
+def test_priming_writes_no_kv(llm, monkeypatch):
+    prompts = [{"prompt_token_ids": _ids(9, 60 + i)} for i in range(2)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2
+    check_priming_writes_no_kv(llm, monkeypatch, prompts, params)

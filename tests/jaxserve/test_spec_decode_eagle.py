@@ -16,7 +16,9 @@ import os
 import jax
 import numpy as np
 import pytest
-from engine_fixtures import _ROOT, checkpoint, completions, fresh_compiles, generate, speculative_engine
+from engine_fixtures import (
+    _ROOT, check_priming_writes_no_kv, checkpoint, completions, fresh_compiles, generate, speculative_engine,
+)
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 from tiny_models import hf_greedy
@@ -308,3 +310,9 @@ def test_round_programs_are_stored_and_loaded(llm, tmp_path, monkeypatch):
     assert warm[0]._store().load(name, jax.devices()[:1]) is not None
     warm[0].head_config = (warm[0].head_config[0], 1)
     assert warm[0]._store().load(name, jax.devices()[:1]) is None
+
+
+def test_priming_writes_no_kv(llm, monkeypatch):
+    prompts = [{"prompt_token_ids": _ids(9, 60 + i)} for i in range(2)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2
+    check_priming_writes_no_kv(llm, monkeypatch, prompts, params)
