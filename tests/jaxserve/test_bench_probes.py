@@ -1,0 +1,29 @@
+"""Smoke tests of two small benches on CPU: the weight-only GEMV probe (tiny widths) and the first-requests
+timer (a tiny target with an n-gram speculator, primed or not; on CPU nothing is primed either way)."""
+
+from __future__ import annotations
+
+import json
+
+from engine_fixtures import checkpoint
+
+from jaxserve.bench import first_requests, weight_only_gemv
+
+
+def test_weight_only_gemv_quick(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert weight_only_gemv.main(["--quick", "--kinds", "bf16,int8,fp8", "--rows", "1,2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r["rows"]) for r in rows] == [(k, m) for k in ("bf16", "int8", "fp8") for m in (1, 2)]
+    assert all(r["ms"] > 0 and r["weight_gb"] > 0 for r in rows)
+    assert rows[2]["weight_gb"] < rows[0]["weight_gb"]  # int8 weights: about half the bytes
+
+
+def test_first_requests_reports_the_first_against_the_steady(tmp_path, capsys):
+    out = tmp_path / "first.jsonl"
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
+    argv = ["--model", checkpoint("llama_gqa"), "--requests", "3", "--input-len", "8", "--output-len", "4",
+            "--max-model-len", "64", "--precompile", "none", "--speculative-config", spec, "--out", str(out)]
+    assert first_requests.main([*argv, "--unprimed-speculation"]) == 0
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert len(row["request_s"]) == 3 and row["primed_speculation"] is False and row["startup_s"] > 0
