@@ -42,6 +42,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxserve.models import cpu_bf16
 from jaxserve.models.config import TextModelConfig
 
 # group -> (pieces in the fused output's order, the base module the group adds to)
@@ -152,9 +153,12 @@ class LoRABatch:
             return linear(x) + self.delta(group, x, linear.precision)
         t, out = x.shape[0], b.shape[3:]
         n_out = math.prod(out)
-        y = jax.lax.dot_general(
-            x.astype(linear.dtype), a.astype(linear.dtype), (((1,), (0,)), ((), ())), precision=linear.precision
-        )  # [T, out + N*P*r]: the base output, then every slot's shrink
+        if cpu_bf16.applies(linear.dtype):  # as Linear does (models/cpu_bf16.py)
+            y = cpu_bf16.matmul(x.astype(linear.dtype), a.astype(linear.dtype), linear.precision).astype(linear.dtype)
+        else:
+            y = jax.lax.dot_general(
+                x.astype(linear.dtype), a.astype(linear.dtype), (((1,), (0,)), ((), ())), precision=linear.precision
+            )  # [T, out + N*P*r]: the base output, then every slot's shrink
         base = y[:, :n_out].reshape(t, *out)
         if linear.bias is not None:
             base = base + linear.bias[...].astype(linear.dtype)

@@ -95,3 +95,25 @@ def test_bits_cache_gives_the_plain_bf16_tokens():
     assert (stored, kv_dtype, plain_stored) == (jnp.uint16, jnp.bfloat16, jnp.bfloat16)
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
     assert tokens == plain_tokens
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_folded_lora_projection_in_the_fast_form(rows):
+    """A bf16 LoRA projection with its A folded beside the base kernel (one product) gives the unfolded one's
+    output (base product, then shrink and expand apart), both in XLA:CPU's fast forms."""
+    from flax import nnx
+
+    from jaxserve.models.layers import Linear
+    from jaxserve.models.lora import LoRABatch, fold
+
+    rng = np.random.default_rng(rows)
+    linear = Linear(48, (4, 5), axes=("embed", None, None), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                    rngs=nnx.Rngs(0))  # fmt: skip
+    a = jnp.asarray(rng.standard_normal((48, 2, 1, 4)) * 0.1, jnp.bfloat16)  # [in, N, P, r]
+    b = jnp.asarray(rng.standard_normal((2, 1, 4, 4, 5)) * 0.1, jnp.bfloat16)  # [N, P, r, *out]
+    x = jnp.asarray(rng.standard_normal((rows, 48)), jnp.bfloat16)
+    mask = jnp.asarray(np.eye(2, dtype=np.float32)[np.arange(rows) % 2])  # tokens alternate between the slots
+    folded = LoRABatch({"g": (fold(linear.kernel[...], a), b)}, mask).project("g", x, linear)
+    apart = LoRABatch({"g": (a, b)}, mask).project("g", x, linear)
+    assert folded.shape == apart.shape == (rows, 4, 5) and folded.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(folded, np.float32), np.asarray(apart, np.float32), rtol=2e-2, atol=2e-2)
