@@ -152,12 +152,9 @@ class ModelRunner:
         v_axes = sharding.V_CACHE_TOKEN_MINOR_AXES if self.v_token_minor else sharding.KV_CACHE_AXES
         v_sharding = sharding.logical_sharding(self.mesh, v_axes, v_shape)
         # The arrays' own dtype: kv_dtype, or bf16's bits on CPU (fp8.storage_dtype says why).
-        self.kv_storage_dtype = storage_dtype(
-            self.kv_dtype, runner_config.platform, runner_config.attention_backend in GATHER_BACKENDS
-        )
+        stored_as = storage_dtype(self.kv_dtype, runner_config.platform, runner_config.attention_backend in GATHER_BACKENDS)
         self.kv_caches = allocate_kv_caches(
-            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-            self.kv_storage_dtype,
+            cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, stored_as,
             sharding=cache_sharding, v_token_minor=self.v_token_minor, v_sharding=v_sharding,
         )
         param_shardings = [x.sharding for x in self.params]

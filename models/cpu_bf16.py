@@ -8,8 +8,8 @@ docs/BENCHMARKS.md §30). In the fast form, a [64, 576] x [576, 3072] product to
 float32.
 
 The forms here give the same numbers as the plain product: float32 accumulation rounded once to the output
-dtype, which is also what the slow path computed. Other platforms and dtypes never come here
-(``applies`` is False), so GPU and TPU programs are unchanged.
+dtype, which is also what the slow path computed. ``matmul`` is every projection's product: for other platforms
+and dtypes (``applies`` is False) it is the plain one, so GPU and TPU programs are unchanged.
 """
 
 from __future__ import annotations
@@ -28,11 +28,16 @@ def _two_rows(x: jax.Array) -> jax.Array:
     return jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1)) if x.shape[0] == 1 else x
 
 
-def matmul(x: jax.Array, kernel: jax.Array, precision) -> jax.Array:
-    """x [M, in] @ kernel [in, *out] -> [M, *out] float32, for bf16 operands."""
+def matmul(x: jax.Array, kernel: jax.Array, precision, out_dtype=jnp.float32) -> jax.Array:
+    """x [M, in] @ kernel [in, *out] -> [M, *out] in ``out_dtype``; x and kernel in one dtype. bf16 on XLA:CPU
+    takes the fast form; anything else the plain product."""
     dims = (((x.ndim - 1,), (0,)), ((), ()))
+    out_dtype = jnp.dtype(out_dtype)
+    if not applies(x.dtype):
+        preferred = None if out_dtype == x.dtype else out_dtype
+        return jax.lax.dot_general(x, kernel, dims, precision=precision, preferred_element_type=preferred)
     y = jax.lax.dot_general(_two_rows(x), kernel, dims, precision=precision, preferred_element_type=jnp.float32)
-    return y[: x.shape[0]]
+    return y[: x.shape[0]].astype(out_dtype)
 
 
 def tied_logits(x: jax.Array, table: jax.Array, precision) -> jax.Array:

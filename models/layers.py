@@ -75,12 +75,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x [T, in] -> [T, *out]
         kernel = self.kernel[...].astype(self.dtype)
-        if cpu_bf16.applies(self.dtype):  # XLA:CPU's fast bf16 form (models/cpu_bf16.py)
-            y = cpu_bf16.matmul(x.astype(self.dtype), kernel, self.precision).astype(self.dtype)
-        else:
-            y = jax.lax.dot_general(
-                x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision
-            )
+        y = cpu_bf16.matmul(x.astype(self.dtype), kernel, self.precision, self.dtype)  # bf16 on CPU: its fast form
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -207,11 +207,7 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is None:
             return self.model.embed_tokens.attend(hidden)
         kernel = self.lm_head.kernel[...]  # [D, V]
-        if cpu_bf16.applies(kernel.dtype):
-            return cpu_bf16.matmul(hidden.astype(kernel.dtype), kernel, self.lm_head.precision)
-        return jnp.dot(
-            hidden.astype(kernel.dtype), kernel, precision=self.lm_head.precision, preferred_element_type=jnp.float32
-        )
+        return cpu_bf16.matmul(hidden.astype(kernel.dtype), kernel, self.lm_head.precision)  # float32 logits
 
 
 @functools.lru_cache(maxsize=None)

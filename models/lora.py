@@ -153,12 +153,9 @@ class LoRABatch:
             return linear(x) + self.delta(group, x, linear.precision)
         t, out = x.shape[0], b.shape[3:]
         n_out = math.prod(out)
-        if cpu_bf16.applies(linear.dtype):  # as Linear does (models/cpu_bf16.py)
-            y = cpu_bf16.matmul(x.astype(linear.dtype), a.astype(linear.dtype), linear.precision).astype(linear.dtype)
-        else:
-            y = jax.lax.dot_general(
-                x.astype(linear.dtype), a.astype(linear.dtype), (((1,), (0,)), ((), ())), precision=linear.precision
-            )  # [T, out + N*P*r]: the base output, then every slot's shrink
+        y = cpu_bf16.matmul(
+            x.astype(linear.dtype), a.astype(linear.dtype), linear.precision, linear.dtype
+        )  # [T, out + N*P*r]: the base output, then every slot's shrink (as Linear computes it)
         base = y[:, :n_out].reshape(t, *out)
         if linear.bias is not None:
             base = base + linear.bias[...].astype(linear.dtype)
