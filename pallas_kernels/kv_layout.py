@@ -20,8 +20,10 @@ import jax.numpy as jnp
 
 from jaxserve.pallas_kernels import fp8
 
-# The switch: fp8 caches of the pallas backend keep V token-minor. Off until timed on the H200
-# (``python -m jaxserve.bench.attention_fp8 --variant tm=fp8_v_token_minor=true``).
+# The switch: fp8 caches of the pallas backend keep V token-minor. Off: on the H200 it cost the Triton
+# prefill more than it saved the Triton decode, and the faster Mosaic decode kernel (mosaic_decode.py) reads
+# token-major V (docs/BENCHMARKS.md §22, §31; ``python -m jaxserve.bench.attention_fp8 --variant
+# tm=fp8_v_token_minor=true``).
 FP8_V_TOKEN_MINOR = False
 
 

@@ -3,7 +3,9 @@
 One call serves a ragged batch of any mix. On GPU two Pallas kernels split the work by query length,
 both sized from static shapes alone:
 - sequences with at most ``q_per_seq`` new tokens (decodes) go to the split-context decode kernel
-  (``triton_decode``, Triton lowering), which reads each KV page once per KV head;
+  (``triton_decode``, Triton lowering), which reads each KV page once per KV head; over an fp8 cache on
+  Hopper, to the Mosaic GPU one (``mosaic_decode``: a TMA ring of raw fp8 tiles, wgmma) when the shapes
+  suit it (``GpuKernelConfig.decode_impl``);
 - longer ones (prefill chunks) go to a causal flash kernel: on Hopper the Mosaic GPU one
   (``mosaic_prefill``: wgmma and TMA), elsewhere, or for shapes it does not take, the Triton one
   (``triton_prefill``). ``GpuKernelConfig.prefill_impl`` overrides the choice.
@@ -24,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels import fp8, kv_layout, kv_write, mosaic_prefill
+from jaxserve.pallas_kernels import fp8, kv_layout, kv_write, mosaic_decode, mosaic_prefill
 from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels import triton_common as tc
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
@@ -53,6 +55,14 @@ class GpuKernelConfig:
     # None: on over fp8 caches, where it measured 1.05-1.07x faster, off over bf16 ones, where it measured
     # 0.98-0.99x (H200, B=64 ctx 4096 and B=256 ctx 2048, 2026-12-01).
     decode_mask_tail_only: bool | None = None
+    # Decode kernel over an fp8 cache: "auto" (Mosaic GPU on Hopper when the shapes suit it, else Triton),
+    # "mosaic" (``mosaic_decode``: TMA ring and wgmma; an error where it cannot run) or "triton". bf16 and
+    # fp32 caches always take the Triton kernel. In interpret mode "auto" means Triton.
+    decode_impl: str = "auto"
+    # The Mosaic decode kernel's tiles in flight per CTA and tokens per tile: 2 x 128 measured fastest on the
+    # H200 (fewer, larger tiles amortise each tile's fixed cost; a third stage halves the CTAs per SM).
+    mosaic_decode_stages: int = 2
+    mosaic_decode_block_kv: int = 128
     # Prefill kernel: "auto" (Mosaic GPU on Hopper when the shapes suit it, else Triton), "mosaic" (an error
     # where it cannot run) or "triton". In interpret mode "auto" means Triton.
     prefill_impl: str = "auto"
@@ -136,6 +146,31 @@ def _use_mosaic_prefill(
     if reason is not None and cfg.prefill_impl == "mosaic":
         raise ValueError(f"prefill_impl='mosaic' cannot run here: {reason}; use prefill_impl='auto' or 'triton'")
     return reason is None
+
+
+def _use_mosaic_decode(cfg: GpuKernelConfig, q, k_pages, v_token_minor: bool, rows: int, sliding_window, interpret) -> bool:
+    if cfg.decode_impl not in ("auto", "mosaic", "triton"):
+        raise ValueError(f"decode_impl={cfg.decode_impl!r}: use 'auto', 'mosaic' or 'triton'")
+    if cfg.decode_impl == "triton" or not fp8.is_fp8(k_pages.dtype) or (cfg.decode_impl == "auto" and interpret):
+        return False
+    reason = "V pages token-minor (it reads token-major V)" if v_token_minor else mosaic_decode.unsupported_reason(
+        head_dim=q.shape[-1], q_dtype=q.dtype, kv_dtype=k_pages.dtype, page_size=k_pages.shape[1], rows=rows,
+        sliding_window=sliding_window, interpret=interpret, config=_mosaic_decode_config(cfg),
+    )  # fmt: skip
+    if reason is not None and cfg.decode_impl == "mosaic":
+        raise ValueError(f"decode_impl='mosaic' cannot run here: {reason}; use decode_impl='auto' or 'triton'")
+    return reason is None
+
+
+def _mosaic_decode_config(cfg: GpuKernelConfig) -> mosaic_decode.MosaicDecodeConfig:
+    return mosaic_decode.MosaicDecodeConfig(stages=cfg.mosaic_decode_stages, block_kv=cfg.mosaic_decode_block_kv)
+
+
+def _mosaic_decode(q_p, k_pages, v_pages, md: AttentionMetadata, *, out=None, **kw):
+    del out  # the Triton kernel's aliased buffer: this kernel returns its own rows
+    return mosaic_decode.decode_attention_mosaic(
+        q_p, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables, md.token_seq_ids, **kw
+    )
 
 
 def paged_attention_pallas(
@@ -238,7 +273,7 @@ def ragged_attention_gpu(
     q_lens = qsl[1:] - qsl[:-1]  # [S]
     is_decode_seq = q_lens <= q_per_seq  # [S] (empty sequences fall here and do nothing)
 
-    item = q.dtype.itemsize
+    item = k_pages.dtype.itemsize  # pipelined tiles sit in shared memory in the cache's dtype (1 byte for fp8)
     dec_tile = tc.pick_tile_tokens(cfg.decode_tile_tokens, d, item, cfg.decode_stages)
     pre_tile = tc.pick_tile_tokens(cfg.prefill_tile_tokens, d, item, cfg.prefill_stages)
     splits = cfg.decode_splits or _decode_splits(s_count, kh, -(-width * page_size // dec_tile))
@@ -251,6 +286,12 @@ def ragged_attention_gpu(
         mask_tail_only=fp8.is_fp8(k_pages.dtype) if cfg.decode_mask_tail_only is None else cfg.decode_mask_tail_only,
         v_token_minor=v_token_minor,
     )  # fmt: skip
+    mosaic_dec = _use_mosaic_decode(cfg, q, k_pages, v_token_minor, q_per_seq * gp, sliding_window, interpret)
+    if mosaic_dec:  # same contract as the Triton kernel's call, without the aliased output buffer
+        decode = functools.partial(
+            _mosaic_decode, q_p, k_pages, v_pages, md, scale=scale, q_per_seq=q_per_seq, interpret=interpret,
+            config=_mosaic_decode_config(cfg),
+        )  # fmt: skip
     max_prefill_seqs = t // (q_per_seq + 1)  # a prefill sequence has more than q_per_seq tokens
     seq = md.token_seq_ids  # [T]
     r = jnp.arange(t, dtype=jnp.int32) - qsl[seq]  # [T] index of the token within its sequence's query
@@ -269,7 +310,7 @@ def ragged_attention_gpu(
             q, k_pages, v_pages, qsl, md.seq_lens, md.block_tables, ~is_decode_seq,
             scale=scale, max_prefill_seqs=max_prefill_seqs, config=mcfg, interpret=interpret,
         )  # fmt: skip  [T, H, D]: prefill tokens' rows, zeros for padding tokens, decode rows unwritten
-        if gp == g and not interpret:
+        if gp == g and not interpret and not mosaic_dec:
             # The decode kernel writes its rows into the same buffer: every row is then final, no routing
             # pass. (Interpret mode would clamp the decode kernel's row window at the buffer's end.)
             return decode(out=pre.reshape(t, kh, g, d)).reshape(t, h, d)

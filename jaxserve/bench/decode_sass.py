@@ -1,7 +1,7 @@
 """Static sm_90 SASS instruction mix of the decode kernel's loops, built on any machine (no GPU needed).
 
     python -m jaxserve.bench.decode_sass [--formats auto,fp8_e4m3] [--v-layouts major,minor] [--tile 64]
-        [--warps 2] [--stages 1] [--keep DIR]
+        [--warps 2] [--stages 1] [--set key=val,...] [--keep DIR]
 
 Lowers the pallas backend's decode kernel (Llama-3-8B attention shapes, one new token per sequence) to
 Triton IR through jax's Pallas Triton lowering (lowered for "cuda" by ``jax.export``, whose compatibility
@@ -29,14 +29,14 @@ GROUPS = {
     "PRMT": ("PRMT",),
     "MOV": ("MOV", "IMAD.MOV", "UMOV", "SHFL"),
     "F2FP/cvt": ("F2FP", "F2F", "I2F", "F2I"),
-    "HMMA": ("HMMA",),
+    "HMMA": ("HMMA", "HGMMA"),  # HGMMA: Hopper's warpgroup MMA (wgmma)
     "LDS/STS": ("LDS", "STS", "LDSM", "STSM"),
     "LDG": ("LDG",),
     "BAR": ("BAR",),
 }
 
 
-def lower_decode_ttir(fmt: str, v_minor: bool, tile: int) -> str:
+def lower_decode_ttir(fmt: str, v_minor: bool, tile: int, overrides: dict | None = None) -> str:
     """Triton IR (MLIR text) of the decode kernel over a ``fmt`` cache, captured from the Pallas lowering."""
     import numpy as np
 
@@ -47,7 +47,8 @@ def lower_decode_ttir(fmt: str, v_minor: bool, tile: int) -> str:
     batch = make_batch(np.random.default_rng(0), q_lens=[1] * 4, ctx_lens=[256] * 4, num_heads=H, num_kv_heads=K,
                        head_dim=D, block_size=P)  # fmt: skip
     batch = dataclasses.replace(batch, md=dataclasses.replace(batch.md, decode_only=True))
-    cfg = GpuKernelConfig(decode_splits=1, decode_tile_tokens=tile)  # one split: the decode kernel alone
+    # One split: the decode kernel alone.
+    cfg = GpuKernelConfig(**{"decode_splits": 1, "decode_tile_tokens": tile, **(overrides or {})})
     captured = attention_kernels(batch, "bfloat16", fmt, v_minor, cfg)
     if len(captured) != 1:
         raise RuntimeError(f"expected one Triton kernel (the decode kernel), lowered {len(captured)}")
@@ -162,8 +163,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tile", type=int, default=64, help="GpuKernelConfig.decode_tile_tokens")
     ap.add_argument("--warps", type=int, default=2, help="GpuKernelConfig.decode_warps")
     ap.add_argument("--stages", type=int, default=1, help="GpuKernelConfig.decode_stages")
+    ap.add_argument("--set", dest="overrides", default="", help="more GpuKernelConfig overrides, key=val,...")
     ap.add_argument("--keep", help="keep the .ttir, .cubin and .sass files in this folder")
     args = ap.parse_args(argv)
+    from jaxserve.bench.kernel_sass import parse_overrides  # that module imports this one
+
+    overrides = parse_overrides(args.overrides)
     out_dir = args.keep or tempfile.mkdtemp(prefix="decode_sass_")
     os.makedirs(out_dir, exist_ok=True)
     print("| cache | V layout | loop | total | " + " | ".join(GROUPS) + " |")
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
             name = f"{fmt}_{layout}"
             ttir = os.path.join(out_dir, name + ".ttir")
             with open(ttir, "w") as f:
-                f.write(lower_decode_ttir(fmt, layout == "minor", args.tile))
+                f.write(lower_decode_ttir(fmt, layout == "minor", args.tile, overrides))
             sass = compile_sass(ttir, args.warps, args.stages)
             with open(os.path.join(out_dir, name + ".sass"), "w") as f:
                 f.write(sass)
