@@ -34,22 +34,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas_kernels import fp8
+from jaxserve.pallas_kernels import fp8, mosaic_common
 
 _LOG2E = math.log2(math.e)
-_SMEM_BYTES = 232448  # the H100/H200 limit per CTA, as Mosaic GPU reports it
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
     stages: int = 2  # tiles of K and V in flight per CTA (shared-memory ring slots)
     block_kv: int = 128  # tokens per tile: the wgmma M of S^T = K q^T (a multiple of 64)
-
-
-def _plgpu():
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu
 
 
 def smem_bytes(head_dim: int, rows: int, stages: int, block_kv: int = 64) -> int:
@@ -77,29 +70,10 @@ def unsupported_reason(
         return f"block_kv {config.block_kv} (needs a multiple of 64)"
     if page_size % 8 or config.block_kv % page_size:
         return f"page size {page_size} (needs a multiple of 8 dividing {config.block_kv})"
-    if smem_bytes(head_dim, rows, config.stages, config.block_kv) > _SMEM_BYTES:
+    if smem_bytes(head_dim, rows, config.stages, config.block_kv) > mosaic_common.SMEM_BYTES:
         return f"{config.stages} stages of {config.block_kv} tokens (over the shared memory)"
-    try:
-        plgpu = _plgpu()
-        _ = (plgpu.kernel, plgpu.wgmma, plgpu.copy_gmem_to_smem, plgpu.Layout.WGMMA_UPCAST_2X)
-    except (ImportError, AttributeError) as e:
-        return f"Mosaic GPU Pallas unavailable ({e})"
-    if interpret:
-        try:
-            _interpret_params()
-        except ImportError as e:
-            return f"no Mosaic GPU interpret mode in this jax ({e})"
-        return None
-    dev = jax.devices()[0]
-    if dev.platform != "gpu" or getattr(dev, "compute_capability", None) != "9.0":
-        return f"device {getattr(dev, 'device_kind', dev.platform)} (wgmma needs compute capability 9.0)"
-    return None
-
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams(out_of_bounds_reads="uninitialized")
+    needs = ("kernel", "wgmma", "copy_gmem_to_smem", "Barrier", "Layout.WGMMA_UPCAST_2X")
+    return mosaic_common.runtime_reason(interpret, needs)
 
 
 def _kernel(
@@ -125,19 +99,14 @@ def _kernel(
     page_size: int,
     interpret: bool,
 ):
-    plgpu = _plgpu()
+    plgpu = mosaic_common.plgpu()
     BKV = block_kv  # noqa: N806 (a constant of this kernel)
     kh, s = lax.axis_index("k"), lax.axis_index("s")
     rows, head_dim = q_smem.shape
     q_len, seq_len, n_tiles = info_ref[s, 0], info_ref[s, 1], info_ref[s, 2]
     pages_per_tile = BKV // page_size
     wgmma_layout = plgpu.Layout.WGMMA
-    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
-
-    def iota(shape, dim):
-        if interpret:
-            return lax.broadcasted_iota(jnp.int32, shape, dim)
-        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+    cast, iota = mosaic_common.wgmma_layout_helpers(interpret)
 
     def page_ids(t):  # read well before use: a global load's latency then hides behind the tile's work
         return [tables_ref[s, t * pages_per_tile + j] for j in range(pages_per_tile)]
@@ -249,7 +218,7 @@ def decode_attention_mosaic(
     interpret: bool = False,
 ) -> jax.Array:  # [T, K, Gp, D]: rows of tokens of sequences with <= q_per_seq new tokens; others undefined
     """Attention of the decode tokens (sequences with at most ``q_per_seq`` new tokens) over an fp8 cache."""
-    plgpu = _plgpu()
+    plgpu = mosaic_common.plgpu()
     t = token_seq_ids.shape[0]
     _, kh, gp, d = q_p.shape
     _, page_size, _, _ = k_pages.shape
@@ -292,7 +261,7 @@ def decode_attention_mosaic(
         grid=(kh, s_count),
         grid_names=("k", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_interpret_params() if interpret else None,
+        interpret=mosaic_common.interpret_params() if interpret else None,
     )(info, tables, q_items, k_pages.reshape(-1, kh, d), v_pages.reshape(-1, kh, d))
     # [S, K, D, R] -> [S, K, QA, Gp, D], then each token's rows from its sequence.
     o = o_t.transpose(0, 1, 3, 2).reshape(s_count, kh, q_per_seq, gp, d)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas_kernels import mosaic_kv_producer
+from jaxserve.pallas_kernels import mosaic_common, mosaic_kv_producer
 from jaxserve.pallas_kernels.triton_prefill import query_block_schedule
 
 BQ = 64  # query rows per compute warpgroup: the wgmma M tile
@@ -60,13 +60,6 @@ class MosaicPrefillConfig:
     q_smem: bool = False
 
 
-def _plgpu():
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu
-
-
-_SMEM_BYTES = 232448  # the H100/H200 limit per CTA, as Mosaic GPU reports it
 
 
 def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2, q_smem: bool = False) -> int:
@@ -88,34 +81,14 @@ def unsupported_reason(
         return f"head_dim {head_dim} (built and tested for 64 and 128)"
     if block_kv % 64:
         return f"block_kv {block_kv} (needs a multiple of 64)"
-    if smem_bytes(head_dim, block_kv, stages, q_smem=q_smem) > _SMEM_BYTES:
+    if smem_bytes(head_dim, block_kv, stages, q_smem=q_smem) > mosaic_common.SMEM_BYTES:
         return f"block_kv {block_kv} x {stages} stages at head_dim {head_dim} (over the shared memory)"
     whole_pages = page_size <= block_kv and block_kv % page_size == 0
     page_slices = page_size > block_kv and page_size % block_kv == 0
     if page_size % 8 or not (whole_pages or page_slices):
         return f"page size {page_size} with block_kv {block_kv}"
-    try:
-        plgpu = _plgpu()
-        _ = (plgpu.kernel, plgpu.wgmma, plgpu.copy_gmem_to_smem, plgpu.Barrier, plgpu.LoweringSemantics.Lane)
-    except (ImportError, AttributeError) as e:
-        return f"Mosaic GPU Pallas unavailable ({e})"
-    if interpret:
-        try:
-            _interpret_params()
-        except ImportError as e:
-            return f"no Mosaic GPU interpret mode in this jax ({e})"
-        return None
-    dev = jax.devices()[0]
-    if dev.platform != "gpu" or getattr(dev, "compute_capability", None) != "9.0":
-        return f"device {getattr(dev, 'device_kind', dev.platform)} (wgmma needs compute capability 9.0)"
-    return None
-
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    # TMA fills rows past an array's end; the interpreter, told so, returns NaN there (only unstored rows see it).
-    return InterpretGPUParams(out_of_bounds_reads="uninitialized")
+    needs = ("kernel", "wgmma", "copy_gmem_to_smem", "Barrier", "LoweringSemantics.Lane")
+    return mosaic_common.runtime_reason(interpret, needs)
 
 
 def block_info(sched, qsl, lens, *, block_kv: int) -> jax.Array:
@@ -165,7 +138,7 @@ def _kernel(
     page_size: int,
     interpret: bool,
 ):
-    plgpu = _plgpu()
+    plgpu = mosaic_common.plgpu()
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
     wg = lax.axis_index("wg")
@@ -195,14 +168,8 @@ def _kernel(
     def _compute():
         if not interpret:
             plgpu.set_max_registers(232, action="increase")
-        # Register layouts matter to the compiler only; the interpreter takes plain arrays.
         wgmma_layout = plgpu.Layout.WGMMA
-        cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
-
-        def iota(shape, dim):
-            if interpret:
-                return lax.broadcasted_iota(jnp.int32, shape, dim)
-            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+        cast, iota = mosaic_common.wgmma_layout_helpers(interpret)
 
         # Ping-pong: every KV step of a warpgroup passes the turn barrier twice (after issuing Q K^T, and
         # between softmax and P V), released tiles included. Warpgroup 1 falls one turn behind at the CTA's
@@ -385,7 +352,7 @@ def prefill_attention_mosaic(
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]: rows of prefill tokens, zeros for padding tokens, the rest unwritten
     """Causal attention of the prefill sequences' tokens; padding tokens (past query_start_loc[-1]) get zeros."""
-    plgpu = _plgpu()
+    plgpu = mosaic_common.plgpu()
     t, h, d = q.shape
     _, page_size, kh, _ = k_pages.shape
     s_count, width = block_tables.shape
@@ -442,5 +409,5 @@ def prefill_attention_mosaic(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_interpret_params() if interpret else None,
+        interpret=mosaic_common.interpret_params() if interpret else None,
     )(info, n_used, tables, q, k_pages.reshape(-1, kh, d), v_pages.reshape(-1, kh, d))
