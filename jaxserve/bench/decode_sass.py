@@ -47,8 +47,8 @@ def lower_decode_ttir(fmt: str, v_minor: bool, tile: int, overrides: dict | None
     batch = make_batch(np.random.default_rng(0), q_lens=[1] * 4, ctx_lens=[256] * 4, num_heads=H, num_kv_heads=K,
                        head_dim=D, block_size=P)  # fmt: skip
     batch = dataclasses.replace(batch, md=dataclasses.replace(batch.md, decode_only=True))
-    # One split: the decode kernel alone.
-    cfg = GpuKernelConfig(**{"decode_splits": 1, "decode_tile_tokens": tile, **(overrides or {})})
+    # One split: the Triton decode kernel alone (on Hopper an fp8 cache would otherwise take the Mosaic one).
+    cfg = GpuKernelConfig(**{"decode_splits": 1, "decode_tile_tokens": tile, "decode_impl": "triton", **(overrides or {})})
     captured = attention_kernels(batch, "bfloat16", fmt, v_minor, cfg)
     if len(captured) != 1:
         raise RuntimeError(f"expected one Triton kernel (the decode kernel), lowered {len(captured)}")

@@ -56,7 +56,7 @@ def step_kernels(dtype: str, precision: str, overrides: dict, kv_cache_dtype: st
                        num_heads=H, num_kv_heads=K, head_dim=D, block_size=P)  # fmt: skip
     dt = jnp.dtype(dtype)
     p = prec.matmul_precision(dt, precision)
-    cfg = GpuKernelConfig(**{"prefill_impl": "triton", "decode_splits": 1, **overrides})
+    cfg = GpuKernelConfig(**{"prefill_impl": "triton", "decode_impl": "triton", "decode_splits": 1, **overrides})
     mods = attention_kernels(batch, dtype, kv_cache_dtype, v_token_minor, cfg, p)
     return mods, kernel_config_for(cfg, dt, p)
 

@@ -105,3 +105,11 @@ def test_the_static_build_tool_lowers_the_step_kernels_for_cuda_here():
     assert cfg.prefill_rows == 64  # the float32-FMA tiles
     mods, cfg = step_kernels("bfloat16", "highest", {}, kv_cache_dtype="fp8_e4m3", v_token_minor=True)
     assert len(mods) == 2 and cfg.prefill_rows == GpuKernelConfig().prefill_rows
+
+
+def test_the_decode_sass_tool_lowers_the_decode_kernel_with_overrides():
+    """`bench decode_sass --set ...`: the Triton decode kernel alone, lowered here with the asked-for config."""
+    from jaxserve.bench.decode_sass import lower_decode_ttir
+
+    ttir = lower_decode_ttir("fp8_e4m3", True, 128, {"decode_warps": 4})
+    assert "tt.func public @jaxserve_paged_decode" in ttir
