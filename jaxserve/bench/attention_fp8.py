@@ -16,7 +16,8 @@ Kernel variants: each ``--fp8-decode-compute`` value runs over each fp8 format (
 of that name; the bf16 cache row uses the defaults). Each ``--variant NAME=key=val,...`` overrides other
 ``GpuKernelConfig`` fields (ints and true/false parsed) and runs over every format, bf16 included, crossed
 with the fp8_decode_compute values for the fp8 ones. Speedups are against the default bf16 row of the case.
-One more key, ``fp8_v_token_minor=true``, times the fp8 caches with V pages token-minor ``[N, K, D, P]``
+On Hopper the fp8 rows' default decode kernel is the Mosaic GPU one (``decode_impl=triton`` times the Triton
+kernel instead). One more key, ``fp8_v_token_minor=true``, times the fp8 caches with V pages token-minor ``[N, K, D, P]``
 (pallas_kernels/kv_layout.py; the bf16 row of such a variant stays token-major, as the engine would keep it).
 A table prints as rows finish; a JSON list of all rows prints at the end (and goes to ``--out``).
 """
