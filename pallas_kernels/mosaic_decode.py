@@ -7,12 +7,13 @@ file, so neither more stages nor more warps helped. Here the copy engine (TMA) k
 raw fp8 bytes in flight per CTA in shared memory, whatever the registers hold.
 
 One CTA of one warpgroup per (KV head, sequence), KV head fastest (the heads of a sequence read the same
-pages side by side). For each 64-token tile, with R = q_per_seq x Gp query rows (16):
-- S^T [64, R] = K [64, D] · q^T: K is the wgmma A operand in registers, loaded from the fp8 ring in the
+pages side by side). For each tile of BKV tokens (``MosaicDecodeConfig.block_kv``: 128, or 64), with
+R = q_per_seq x Gp query rows (16 or 32):
+- S^T [BKV, R] = K [BKV, D] · q^T: K is the wgmma A operand in registers, loaded from the fp8 ring in the
   layout that converts to float16 with one instruction per pair and one warp shuffle; q^T comes from
   shared memory (float16, loaded once). The tile's tokens are the MMA's M rows, so nothing is padded to 64.
-- the online softmax runs down S^T's columns (a cross-warp reduction per tile, over 64 tokens);
-- O^T [D, R] += V^T [D, 64] · P^T [64, R]: V is converted to float16 into shared memory and read
+- the online softmax runs down S^T's columns (a cross-warp max per tile; the sums are reduced once, at the end);
+- O^T [D, R] += V^T [D, BKV] · P^T [BKV, R]: V is converted to float16 into shared memory and read
   transposed by the wgmma (16-bit operands may be M-major), P^T is stored beside it.
 The output leaves as O^T per (sequence, KV head); the wrapper transposes it and picks each token's rows.
 
@@ -190,7 +191,7 @@ def _kernel(
     l = cast(jnp.zeros((BKV, rows), jnp.float32), wgmma_layout)
     # Tiles that every row sees whole hold no position past the sequence's end: no masks there.
     n_full = jnp.minimum(jnp.maximum(seq_len - q_len + 1, 0) // BKV, n_tiles)
-    carry = (acc, m, l, page_ids(jnp.int32(stages - 1)))  # the first refill's tile
+    carry = (acc, m, l, page_ids(jnp.int32(stages - 1)))  # a placeholder: tile 0 refills nothing
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
     acc, m, l, _ = lax.fori_loop(n_full, n_tiles, functools.partial(body, masked=True), carry)
     l = l.sum(axis=0)
