@@ -277,20 +277,22 @@ def ragged_attention_gpu(
     dec_tile = tc.pick_tile_tokens(cfg.decode_tile_tokens, d, item, cfg.decode_stages)
     pre_tile = tc.pick_tile_tokens(cfg.prefill_tile_tokens, d, item, cfg.prefill_stages)
     splits = cfg.decode_splits or _decode_splits(s_count, kh, -(-width * page_size // dec_tile))
-    decode = functools.partial(
-        decode_attention, q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables,
-        scale=scale, q_per_seq=q_per_seq, tile_tokens=dec_tile, num_splits=splits,
-        sliding_window=sliding_window, v_mask=cfg.v_mask, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
-        heads_inner=cfg.decode_heads_inner, precision=precision, interpret=interpret,
-        compute_dtype=_fp8_decode_compute(cfg, q.dtype, k_pages.dtype),
-        mask_tail_only=fp8.is_fp8(k_pages.dtype) if cfg.decode_mask_tail_only is None else cfg.decode_mask_tail_only,
-        v_token_minor=v_token_minor,
-    )  # fmt: skip
+    compute_dtype = _fp8_decode_compute(cfg, q.dtype, k_pages.dtype)  # checks the option whichever kernel runs
     mosaic_dec = _use_mosaic_decode(cfg, q, k_pages, v_token_minor, q_per_seq * gp, sliding_window, interpret)
     if mosaic_dec:  # same contract as the Triton kernel's call, without the aliased output buffer
         decode = functools.partial(
             _mosaic_decode, q_p, k_pages, v_pages, md, scale=scale, q_per_seq=q_per_seq, interpret=interpret,
             config=_mosaic_decode_config(cfg),
+        )  # fmt: skip
+    else:
+        decode = functools.partial(
+            decode_attention, q_p, k_pages, v_pages, qsl, md.seq_lens, md.block_tables,
+            scale=scale, q_per_seq=q_per_seq, tile_tokens=dec_tile, num_splits=splits,
+            sliding_window=sliding_window, v_mask=cfg.v_mask, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+            heads_inner=cfg.decode_heads_inner, precision=precision, interpret=interpret,
+            compute_dtype=compute_dtype,
+            mask_tail_only=fp8.is_fp8(k_pages.dtype) if cfg.decode_mask_tail_only is None else cfg.decode_mask_tail_only,
+            v_token_minor=v_token_minor,
         )  # fmt: skip
     max_prefill_seqs = t // (q_per_seq + 1)  # a prefill sequence has more than q_per_seq tokens
     seq = md.token_seq_ids  # [T]
