@@ -156,7 +156,8 @@ def _kernel(
         else:
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, k, plgpu.transpose_ref(q_smem, (1, 0)))
+                # ref.transpose, not plgpu.transpose_ref (deprecated in jax 0.11; it only called this)
+                plgpu.wgmma(acc_ref, k, q_smem.transpose((1, 0)))
                 return acc_ref[...]
 
             logits = pl.run_scoped(qk, plgpu.ACC((BKV, rows), jnp.float32))  # [BKV, R]
@@ -181,7 +182,7 @@ def _kernel(
         else:
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16, (1, 0)), p16)
+                plgpu.wgmma(acc_ref, v16.transpose((1, 0)), p16)
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         return acc, m_next, l, pages
