@@ -22,13 +22,23 @@ def _doubling(start: int, stop: int) -> list[int]:
 # small decode step reads the same weights as a 16-token one and costs about the same.
 CPU_DECODE_BUCKETS = (1, 4)
 
+# Between the powers of two, CPU only: a decode step of 33-48 sequences pads to 48, not 64. Where a step's
+# matmuls are compute-bound, the 16 padding rows cost a quarter of the step: the default model's 48-request
+# mixed workload (docs/BENCHMARKS.md §33) ran its 33 decode steps of 33-48 sequences in 212 ms each at 48
+# against 239-260 ms at 64, 22.4-22.5 s in all against 23.9-25.3 s. One more compiled shape per block width.
+CPU_MID_BUCKETS = (48,)
+
 
 def token_buckets(max_num_batched_tokens: int, platform: str = "gpu", smallest: int = 16) -> list[int]:
     """Padded flat-token counts T: powers of two from ``smallest`` up to the token budget, below them
-    the platform's small decode buckets (``CPU_DECODE_BUCKETS`` on "cpu", none elsewhere)."""
-    small = CPU_DECODE_BUCKETS if platform == "cpu" else ()
+    the platform's small decode buckets (``CPU_DECODE_BUCKETS`` on "cpu", none elsewhere), and on "cpu"
+    ``CPU_MID_BUCKETS`` between them."""
     large = _doubling(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
-    return sorted({b for b in small if b < large[0]} | set(large))
+    if platform != "cpu":
+        return large
+    small = {b for b in CPU_DECODE_BUCKETS if b < large[0]}
+    mid = {b for b in CPU_MID_BUCKETS if large[0] < b < large[-1]}
+    return sorted(small | mid | set(large))
 
 
 def seq_bucket_for(num_tokens_bucket: int, max_num_seqs: int) -> int:

@@ -15,7 +15,8 @@ from jaxserve import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs())
+    # Start-up compiles on ("auto"), unlike small_engine_kwargs' default: the priming tests below need them.
+    return LLM(checkpoint("llama_gqa"), **small_engine_kwargs(precompile="auto"))
 
 
 def _ids(n, seed=0):

@@ -156,7 +156,7 @@ def test_default_model_ngram_greedy_is_exact():
     code = "def add(a, b):\n    total = a + b\n    return total\n\nprint(add(2, 3))\n"
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     llm = LLM(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, compilation_cache_dir="",
-              use_tqdm_on_load=False, speculative_config=spec)
+              use_tqdm_on_load=False, speculative_config=spec, precompile="none")
     messages = [{"role": "user", "content": "Rename the function add to plus and show the whole code:\n\n" + code}]
     sp = SamplingParams(temperature=0, max_tokens=40)
     engine = llm.llm_engine
