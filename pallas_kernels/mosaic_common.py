@@ -15,6 +15,17 @@ def plgpu():
     return mosaic_gpu
 
 
+def load(ref, **kwargs):
+    """``plgpu.load`` of a whole (already indexed) ref in a register layout, on every jax we support: jax 0.10
+    takes the index as a required argument, and jax 0.11 deprecates passing it (index the ref with ``.at``)."""
+    import inspect
+
+    fn = plgpu().load
+    if inspect.signature(fn).parameters["idx"].default is inspect.Parameter.empty:
+        return fn(ref, (), **kwargs)
+    return fn(ref, **kwargs)
+
+
 def interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 

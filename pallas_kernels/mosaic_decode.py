@@ -131,7 +131,7 @@ def _kernel(
     def load_tile(ring, slot):  # fp8 [BKV, D] in shared memory -> float16 registers in the wgmma layout
         if interpret:
             return ring[slot].astype(jnp.float16)
-        raw = plgpu.load(ring.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+        raw = mosaic_common.load(ring.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X)
         return plgpu.layout_cast(raw.astype(jnp.float16), wgmma_layout)
 
     def body(t, carry, masked: bool):

@@ -196,7 +196,7 @@ def _kernel(
             row0 = it["tok0"] + wg * BQ  # flat token of this warpgroup's first row
 
             plgpu.barrier_wait(q_full.at[qb])  # the producer copied Q rows ahead of time
-            q_regs = qs[...] if interpret else plgpu.load(qs, (), layout=wgmma_layout, optimized=False)
+            q_regs = qs[...] if interpret else mosaic_common.load(qs, layout=wgmma_layout, optimized=False)
 
             @pl.when(n > 0)
             def _():  # hand the previous item's buffer back once its O store has read it
