@@ -71,13 +71,15 @@ def num_blocks_for(
 
 def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, sharding=None,
-    v_token_minor: bool = False, v_sharding=None,
+    v_token_minor: bool = False, v_sharding=None, heads_major: bool = False,
 ):  # fmt: skip
     """Zeroed pages, created in place with ``sharding`` (default device if None): list of (k_pages, v_pages),
-    each [N, P, K, D]; with ``v_token_minor`` the V pages are [N, K, D, P] (pallas_kernels/kv_layout.py),
-    placed with ``v_sharding``."""
-    k_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    each [N, P, K, D], or [N, K, P, D] with ``heads_major``; with ``v_token_minor`` the V pages are [N, K, D, P]
+    (pallas_kernels/kv_layout.py), placed with ``v_sharding``."""
+    k_shape = kv_layout.pages_shape(num_blocks, block_size, num_kv_heads, head_dim, heads_major)
     v_shape = kv_layout.v_pages_shape(num_blocks, block_size, num_kv_heads, head_dim, v_token_minor)
+    if not v_token_minor:
+        v_shape = k_shape
     make_k = jax.jit(lambda: jnp.zeros(k_shape, dtype), out_shardings=sharding)
     make_v = jax.jit(lambda: jnp.zeros(v_shape, dtype), out_shardings=v_sharding if v_token_minor else sharding)
     return [(make_k(), make_v()) for _ in range(num_layers)]

@@ -144,18 +144,22 @@ class ModelRunner:
         )
         self.kv_cache_bytes = self.num_blocks * block_bytes
         cache_shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        cache_sharding = sharding.logical_sharding(self.mesh, sharding.KV_CACHE_AXES, cache_shape)
+        # The xla backend's pages are heads-major [N, K, P, D] (pallas_kernels/kv_layout.py says why).
+        self.kv_heads_major = kv_layout.heads_major(runner_config.attention_backend)
+        k_shape = kv_layout.pages_shape(*cache_shape, self.kv_heads_major)
+        cache_sharding = sharding.logical_sharding(self.mesh, sharding.kv_cache_axes(self.kv_heads_major), k_shape)
         # The pallas backend may keep an fp8 cache's V pages token-minor [N, K, D, P] (pallas_kernels/kv_layout.py):
         # its kernels and KV write decide from the same switch and the cache's dtype.
         self.v_token_minor = kv_layout.v_token_minor(self.kv_dtype, runner_config.attention_backend, runner_config.platform)
-        v_shape = kv_layout.v_pages_shape(*cache_shape, self.v_token_minor)
-        v_axes = sharding.V_CACHE_TOKEN_MINOR_AXES if self.v_token_minor else sharding.KV_CACHE_AXES
+        v_shape = kv_layout.v_pages_shape(*cache_shape, self.v_token_minor) if self.v_token_minor else k_shape
+        v_axes = sharding.V_CACHE_TOKEN_MINOR_AXES if self.v_token_minor else sharding.kv_cache_axes(self.kv_heads_major)
         v_sharding = sharding.logical_sharding(self.mesh, v_axes, v_shape)
         # The arrays' own dtype: kv_dtype, or bf16's bits on CPU (fp8.storage_dtype says why).
         stored_as = storage_dtype(self.kv_dtype, runner_config.platform, runner_config.attention_backend in GATHER_BACKENDS)
         self.kv_caches = allocate_kv_caches(
             cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, stored_as,
             sharding=cache_sharding, v_token_minor=self.v_token_minor, v_sharding=v_sharding,
+            heads_major=self.kv_heads_major,
         )
         param_shardings = [x.sharding for x in self.params]
         # LoRA: the slot arrays ride at the end of the step's parameter list (arguments, not constants: loading an
@@ -494,6 +498,8 @@ class ModelRunner:
             context["lora"] = repr(self.lora_config)  # the slot arrays' shapes follow from it; the token fields have 6 rows
         if self.v_token_minor:  # the cache's V pages are [N, K, D, P] (absent: keys stay as before)
             context["v_token_minor"] = True
+        if self.kv_heads_major:  # the cache's pages are [N, K, P, D]: a program stored before reads [N, P, K, D]
+            context["kv_heads_major"] = True
         if self.aux_layers:  # EAGLE: the steps also write the hidden-state store (absent: keys stay as before)
             context["aux_layers"] = self.aux_layers
         if extra:

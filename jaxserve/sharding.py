@@ -58,12 +58,19 @@ LOGICAL_AXIS_RULES: dict[str, Optional[str]] = {
 }
 
 KV_CACHE_AXES = ("kv_blocks", "kv_block_slot", "kv_heads", "head_dim")  # [N, P, K, Dh]
+# Heads-major pages, the xla backend's (pallas_kernels/kv_layout.py): the same split, on axis 1.
+KV_CACHE_HEADS_MAJOR_AXES = ("kv_blocks", "kv_heads", "kv_block_slot", "head_dim")  # [N, K, P, Dh]
 # Token-minor V pages of an fp8 cache (pallas_kernels/kv_layout.py): the heads axis moves, the split does not.
 V_CACHE_TOKEN_MINOR_AXES = ("kv_blocks", "kv_heads", "head_dim", "kv_block_slot")  # [N, K, Dh, P]
 LOGITS_AXES = ("batch", "logits_vocab")  # [S, V]
 Q_AXES = ("tokens", "q_heads", "head_dim")  # q and attention's output [T, H, Dh]
 KV_NEW_AXES = ("tokens", "kv_heads", "head_dim")  # this step's k and v [T, K, Dh]
 AUX_STORE_AXES = ("store_slots", "store_width")  # EAGLE's hidden-state store [num_slots, W]
+
+
+def kv_cache_axes(heads_major: bool) -> tuple:
+    """The logical axes of K pages (and of V pages unless token-minor) for a cache of this layout."""
+    return KV_CACHE_HEADS_MAJOR_AXES if heads_major else KV_CACHE_AXES
 
 
 def logical_spec(names: Sequence[Optional[str]], shape: Optional[Sequence[int]] = None, mesh: Optional[Mesh] = None):

@@ -1,4 +1,15 @@
-"""Where an fp8 cache's V pages keep their tokens: token-major ``[N, P, K, D]`` or token-minor ``[N, K, D, P]``.
+"""How a KV cache lays out its pages: token-major ``[N, P, K, D]`` (the default), heads-major ``[N, K, P, D]``
+(the ``xla`` backend), or an fp8 cache's V pages token-minor ``[N, K, D, P]`` (the ``pallas`` backend, switched off).
+
+Heads-major pages, for the ``xla`` backend: its decode rows gather each sequence's pages and attend head by head,
+over [K, C, D]. From token-major pages that gather moves 256-byte rows (one head's D values of one token) and
+XLA:CPU emits it as an element-by-element copy; from heads-major pages it moves whole [P, D] blocks of one head
+(4 KB at P=16, D=64). One sequence's 1-token decode over 256 tokens of SmolLM2-135M's widths, with the KV write
+first as in the engine, 30 layers: 151 -> 97 µs a layer (docs/BENCHMARKS.md §34). The cache is the backend's
+alone, so every reader and writer of an engine agrees: the engine allocates it from ``pages_shape`` and the
+backend's KV write and attention read it.
+
+Token-minor V pages of an fp8 cache:
 
 Why a second layout: the decode kernel's P·V sums over tokens, so the tensor cores want each thread's V
 operand register to hold two consecutive *tokens* of one head-dim column. A token-major fp8 tile is
@@ -25,6 +36,26 @@ from jaxserve.pallas_kernels import fp8
 # token-major V (docs/BENCHMARKS.md §22, §31; ``python -m jaxserve.bench.attention_fp8 --variant
 # tm=fp8_v_token_minor=true``).
 FP8_V_TOKEN_MINOR = False
+
+
+# Backends whose caches are heads-major [N, K, P, D] (their KV write and attention read nothing else).
+HEADS_MAJOR_BACKENDS = ("xla",)
+
+
+def heads_major(backend: str) -> bool:
+    """Whether this attention backend's cache pages are [N, K, P, D] (True) or [N, P, K, D]."""
+    return backend in HEADS_MAJOR_BACKENDS
+
+
+def pages_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, heads_major_pages: bool) -> tuple:
+    """K (and, unless token-minor, V) pages: [N, K, P, D] when heads-major, else [N, P, K, D]."""
+    if heads_major_pages:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def to_heads_major(pages: jax.Array) -> jax.Array:  # [N, P, K, D] -> [N, K, P, D] (the same swap both ways)
+    return jnp.swapaxes(pages, 1, 2)
 
 
 def resolve(fp8_v_token_minor: bool | None) -> bool:

@@ -30,9 +30,12 @@ def write_kv(
     k_scale=1.0,  # fp8 caches only: stored values are x / scale, clipped (fp8.quantize)
     v_scale=1.0,
     v_token_minor: bool = False,  # v_pages is [N, K, D, P] (kv_layout.py)
+    heads_major: bool = False,  # both are [N, K, P, D] (kv_layout.py; the xla backend's cache)
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys and values into their cache slots (in place when the cache is donated)."""
     n, p, k, d = k_pages.shape
+    if heads_major:
+        n, k, p, d = k_pages.shape
     if slot_mapping.shape[0] == 1:
         # XLA rewrites a one-row scatter into a dynamic-update-slice guarded by a read of the old row
         # (for mode="drop"), and that read makes it copy the whole donated cache three times per layer:
@@ -41,6 +44,11 @@ def write_kv(
         k_new, v_new = _with_dropped_row(k_new), _with_dropped_row(v_new)  # [2, K, D]
         slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), n * p, slot_mapping.dtype)])  # [2]
     k_new, v_new = fp8.quantize(k_new, k_scale, k_pages.dtype), fp8.quantize(v_new, v_scale, v_pages.dtype)
+    if heads_major:
+        # A slot is (block, offset), the offset on axis 2. Out-of-range slots have an out-of-range block
+        # (slot // P >= N), so mode="drop" still drops them. Indexed as [blk, :, off] the update is [T, K, D].
+        blk, off = slot_mapping // p, slot_mapping % p  # [T]
+        return k_pages.at[blk, :, off].set(k_new, mode="drop"), v_pages.at[blk, :, off].set(v_new, mode="drop")
     k_flat = k_pages.reshape(n * p, k, d).at[slot_mapping].set(k_new, mode="drop")
     if v_token_minor:
         # A slot is (block, offset): the offset indexes the last axis. Out-of-range slots have an

@@ -12,8 +12,9 @@ made the jnp path cost as much as the model itself on CPU. Here each token takes
    chunks, prefix-cache hits), that cached part, one sequence per loop iteration; partial softmax
    results are merged with the usual log-sum-exp rule.
 
-Same inputs and outputs as the reference, which stays the ground truth (tests compare the two).
-Shape letters as in ``reference.py``.
+Same inputs and outputs as the reference, which stays the ground truth (tests compare the two), except for the
+cache's layout: this backend's pages are heads-major, ``[N, K, P, D]`` (kv_layout.py says why), so a sequence's
+gathered pages come out as [K, C, D] after moving whole [P, D] blocks. Shape letters as in ``reference.py``.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def ragged_paged_attention_xla(
     q: jax.Array,  # [T, H, D]
     k_new: jax.Array,  # [T, K, D] this step's keys (also already written into k_pages)
     v_new: jax.Array,  # [T, K, D]
-    k_pages: jax.Array,  # [N, P, K, D] (already holding this step's keys)
-    v_pages: jax.Array,  # [N, P, K, D]
+    k_pages: jax.Array,  # [N, K, P, D] heads-major (already holding this step's keys)
+    v_pages: jax.Array,  # [N, K, P, D]
     md: AttentionMetadata,
     *,
     scale: float,
@@ -59,7 +60,7 @@ def ragged_paged_attention_xla(
 ) -> jax.Array:  # [T, H, D]
     t, h, d = q.shape
     precision = prec.resolve(precision, q.dtype)
-    _, p, kh, _ = k_pages.shape
+    _, kh, p, _ = k_pages.shape
     g = h // kh
     s, b = md.block_tables.shape
     c = b * p
@@ -88,19 +89,18 @@ def ragged_paged_attention_xla(
         rows = i * ch
         tables = jax.lax.dynamic_slice_in_dim(md.block_tables, rows, ch)  # [ch, B]
         lens = jax.lax.dynamic_slice_in_dim(md.seq_lens, rows, ch)  # [ch]
-        k_seq = fp8.dequantize(k_pages[tables].reshape(ch, c, kh, d), k_scale)  # [ch, C, K, D]
-        v_seq = fp8.dequantize(v_pages[tables].reshape(ch, c, kh, d), v_scale)
+        k_seq = fp8.dequantize(_gather_heads_major(k_pages, tables), k_scale)  # [ch, K, C, D]
+        v_seq = fp8.dequantize(_gather_heads_major(v_pages, tables), v_scale)
         vis = ctx_pos[None, :] < lens[:, None]  # [ch, C]
         if sliding_window is not None:
             vis &= ctx_pos[None, :] > lens[:, None] - 1 - sliding_window
-        # The pages as the left operand: XLA:CPU then lays the gathered K out as [S, K, C, D], moving whole
-        # D-rows, where [S, K, D, C] (q on the left) moved single elements. Write + gather + attention of a
-        # 1-token step, 30 layers alone: 81 -> 57 µs a layer; the whole step gained within its noise (§29).
-        sc = jnp.einsum("sckd,skgd->skcg", k_seq, jax.lax.dynamic_slice_in_dim(q_last, rows, ch), precision=precision)
+        # The pages as the left operand: [S, K, C, D] x [S, K, G, D] is a batched product with no relayout
+        # (q on the left made XLA:CPU lay K out as [S, K, D, C], moving single elements; §29).
+        sc = jnp.einsum("skcd,skgd->skcg", k_seq, jax.lax.dynamic_slice_in_dim(q_last, rows, ch), precision=precision)
         vis = vis[:, None, :, None]  # [ch, 1, C, 1]
         sc = jnp.where(vis, sc * scale, _MASK_VALUE)  # [ch, K, C, G]
         p = jnp.where(vis, jnp.exp(sc - sc.max(axis=2, keepdims=True)), 0.0)
-        l, o = p.sum(axis=2), jnp.einsum("skcg,sckd->skgd", p, v_seq, precision=precision)  # [ch, K, G], [ch, K, G, D]
+        l, o = p.sum(axis=2), jnp.einsum("skcg,skcd->skgd", p, v_seq, precision=precision)  # [ch, K, G], [ch, K, G, D]
         return jax.lax.dynamic_update_slice_in_dim(out_last, o / jnp.maximum(l, 1e-30)[..., None], rows, 0)
 
     zeros_last = jnp.zeros((s, kh, g, d), f32)
@@ -134,8 +134,8 @@ def ragged_paged_attention_xla(
 
     def add_cached(i, acc):
         sid = ids[i]
-        kc = fp8.dequantize(k_pages[md.block_tables[sid]].reshape(c, kh, d), k_scale).transpose(1, 0, 2)  # [K, C, D]
-        vc = fp8.dequantize(v_pages[md.block_tables[sid]].reshape(c, kh, d), v_scale).transpose(1, 0, 2)
+        kc = fp8.dequantize(_gather_heads_major(k_pages, md.block_tables[sid][None])[0], k_scale)  # [K, C, D]
+        vc = fp8.dequantize(_gather_heads_major(v_pages, md.block_tables[sid][None])[0], v_scale)
         vis = (seq_of[:, None] == sid) & (ctx_pos[None, :] < num_cached[sid])  # [T, C]
         if sliding_window is not None:
             vis &= ctx_pos[None, :] > pos[:, None] - sliding_window
@@ -150,12 +150,19 @@ def ragged_paged_attention_xla(
     return out.reshape(t, h, d).astype(q.dtype)
 
 
+def _gather_heads_major(pages: jax.Array, tables: jax.Array) -> jax.Array:
+    """[N, K, P, D] pages of each row's blocks [S, B] -> [S, K, B*P, D]: whole [P, D] blocks moved."""
+    s, b = tables.shape
+    _, kh, p, d = pages.shape
+    return pages[tables].transpose(0, 2, 1, 3, 4).reshape(s, kh, b * p, d)
+
+
 def paged_attention_xla(
     q: jax.Array,  # [T, H, D]
     k_new: jax.Array,  # [T, K, D]
     v_new: jax.Array,  # [T, K, D]
-    k_pages: jax.Array,  # [N, P, K, D]
-    v_pages: jax.Array,  # [N, P, K, D]
+    k_pages: jax.Array,  # [N, K, P, D] heads-major (kv_layout.py)
+    v_pages: jax.Array,  # [N, K, P, D]
     md: AttentionMetadata,
     *,
     scale: float,
@@ -169,7 +176,7 @@ def paged_attention_xla(
     The write comes first on purpose: gathering from the cache before updating it makes XLA keep the
     old cache alive and copy it whole (measured ~7x slower on CPU).
     """
-    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale, heads_major=True)
     out = ragged_paged_attention_xla(
         q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
         k_scale=k_scale, v_scale=v_scale,

@@ -166,6 +166,7 @@ class EagleProposer(FedRoundsMixin):
     def build(cls, config, args, target_runner, target_text_config, progress: bool) -> "EagleProposer":
         from jaxserve import sharding
         from jaxserve.kv_cache import allocate_kv_caches
+        from jaxserve.pallas_kernels import kv_layout
         from jaxserve.pallas_kernels.attention import GATHER_BACKENDS, get_attention_fn
         from jaxserve.pallas_kernels.fp8 import storage_dtype
         from jaxserve.spec_decode.eagle_loader import load_head, read_spec
@@ -190,8 +191,10 @@ class EagleProposer(FedRoundsMixin):
         )  # fmt: skip
         kv_shape = (r.num_blocks, r.block_size, c.num_key_value_heads, c.head_dim)
         kv_dtype = storage_dtype(r.dtype, rc.platform, rc.attention_backend in GATHER_BACKENDS)  # bf16 bits on CPU
-        kv = allocate_kv_caches(1, *kv_shape, kv_dtype,
-                                sharding=sharding.logical_sharding(r.mesh, sharding.KV_CACHE_AXES, kv_shape))
+        heads_major = r.kv_heads_major  # the head's layer reads its cache with the target's attention backend
+        pages = kv_layout.pages_shape(*kv_shape, heads_major)
+        kv = allocate_kv_caches(1, *kv_shape, kv_dtype, heads_major=heads_major,
+                                sharding=sharding.logical_sharding(r.mesh, sharding.kv_cache_axes(heads_major), pages))
         programs = EaglePrograms(r, head, d2t, kv, config.num_speculative_tokens)
         sc = r.scheduler_config
         proposer = cls(programs, sc.max_num_batched_tokens, sc.max_num_seqs)

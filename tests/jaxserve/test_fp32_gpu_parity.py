@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.loader.hf import load_hf_model
 from jaxserve.pallas_kernels.attention import get_attention_fn
+from jaxserve.pallas_kernels import kv_layout
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(
@@ -84,7 +85,8 @@ def jaxserve_logits(path: str, backend: str, fp32_matmul_precision: str = "highe
         path, dtype=jnp.float32, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision
     )
     graphdef, state = nnx.split(model)
-    page = jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+    page = jnp.zeros(kv_layout.pages_shape(*shape, kv_layout.heads_major(backend)), jnp.float32)  # the backend's layout
     caches = [(page, page) for _ in range(cfg.num_hidden_layers)]
 
     @jax.jit

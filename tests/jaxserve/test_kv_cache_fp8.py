@@ -88,6 +88,7 @@ def test_fp8_cache_under_tensor_parallelism():
         llm = LLM(path, tensor_parallel_size=tp, **small_engine_kwargs(max_model_len=64, kv_cache_dtype="fp8"))
         k_pages = llm.llm_engine.runner.kv_caches[0][0]
         assert k_pages.dtype.name == "float8_e4m3fn"
-        assert k_pages.addressable_shards[0].data.shape[2] == 2 // tp  # split over the 2 KV heads
+        heads_axis = 1 if llm.llm_engine.runner.kv_heads_major else 2  # [N, K, P, D] (the xla backend) or [N, P, K, D]
+        assert k_pages.addressable_shards[0].data.shape[heads_axis] == 2 // tp  # split over the 2 KV heads
         got[tp] = _generate(llm, prompts, 8)
     assert got[2] == got[1]

@@ -255,7 +255,9 @@ def test_tensor_parallel(version, request):
     runner, draft = engine.runner, engine.speculator.draft
     assert runner.kv_caches[-1].sharding.spec == P(None, "model")  # the store [num_slots, W]
     for pages in draft.programs.kv_caches[0]:  # the head's KV cache: by KV heads, as the target's
-        assert pages.sharding.spec == sharding.logical_spec(sharding.KV_CACHE_AXES) == P(None, None, "model", None)
+        # the head's cache has the target's layout: heads-major [N, K, P, D] on the CPU's xla backend
+        assert runner.kv_heads_major
+        assert pages.sharding.spec == sharding.logical_spec(sharding.KV_CACHE_HEADS_MAJOR_AXES) == P(None, "model", None, None)
     if version == 3:
         tp1 = request.getfixturevalue("llm")
         sp = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True) for s in (1, 2)]

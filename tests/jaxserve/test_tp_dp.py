@@ -86,12 +86,13 @@ def test_weights_and_kv_cache_follow_the_rules_table():
     assert layer0["mlp"]["down_proj"]["kernel"][...].sharding.spec == P("model", None)
     assert runner.state["model"]["embed_tokens"]["embedding"][...].sharding.spec == P("model", None)
     assert layer0["input_layernorm"]["scale"][...].sharding.spec == P(None)
+    assert runner.kv_heads_major  # the CPU's xla backend: pages [N, K, P, D], split on the heads axis
     for k_pages, v_pages in runner.kv_caches:
         for pages in (k_pages, v_pages):
-            _check_placed(pages, sharding.KV_CACHE_AXES, mesh)
-            assert pages.sharding.spec == P(None, None, "model", None)
-            n, p, k, d = pages.shape
-            assert {s.data.shape for s in pages.addressable_shards} == {(n, p, k // 2, d)}
+            _check_placed(pages, sharding.KV_CACHE_HEADS_MAJOR_AXES, mesh)
+            assert pages.sharding.spec == P(None, "model", None, None)
+            n, k, p, d = pages.shape
+            assert {s.data.shape for s in pages.addressable_shards} == {(n, k // 2, p, d)}
 
 
 def test_dp_replicas_on_disjoint_devices_and_router_balances():
@@ -102,7 +103,7 @@ def test_dp_replicas_on_disjoint_devices_and_router_balances():
     # Each replica's process sees only its own 2 devices, and shards its KV cache over them.
     for view in engine.collective_rpc(replica_view):
         assert view["num_devices"] == 2 and view["mesh_shape"] == {"data": 1, "model": 2}
-        assert view["kv_spec"] == tuple(P(None, None, "model", None))
+        assert view["kv_spec"] == tuple(P(None, "model", None, None))  # heads-major pages [N, K, P, D]
     params = SamplingParams(temperature=0.0, max_tokens=4)
     for i, p in enumerate(_prompts() * 2):
         engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)

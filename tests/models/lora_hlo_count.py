@@ -18,6 +18,7 @@ from jaxserve.models.config import TextModelConfig
 from jaxserve.models.registry import abstract_model
 from jaxserve.models import lora as L
 from jaxserve.pallas_kernels.attention import get_attention_fn
+from jaxserve.pallas_kernels import kv_layout
 
 def compiled(layers, use_lora, t=1, n=4, r=16, folded=False):
     cfg = TextModelConfig(architecture="llama", vocab_size=256, hidden_size=512, intermediate_size=1024,
@@ -27,7 +28,8 @@ def compiled(layers, use_lora, t=1, n=4, r=16, folded=False):
     graphdef, state = nnx.split(model)
     tables = block_tables(t)
     ids, md = make_batch([Chunk([5], 6, tables[i]) for i in range(t)])
-    page = jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim), dtype)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+    page = jax.ShapeDtypeStruct(kv_layout.pages_shape(*shape, kv_layout.heads_major("xla")), dtype)
     caches = [(page, page)] * layers
     leaves = [jax.ShapeDtypeStruct(shape, dtype) for *_, shape, _ in L.layout_leaves(cfg, n, r, layers)] if use_lora else None
     if folded:

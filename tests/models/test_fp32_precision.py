@@ -17,6 +17,7 @@ from model_batch_utils import BLOCK_SIZE, NUM_BLOCKS, Chunk, block_tables, make_
 from jaxserve.models.config import TextModelConfig
 from jaxserve.models.registry import abstract_model
 from jaxserve.pallas_kernels.attention import get_attention_fn
+from jaxserve.pallas_kernels import kv_layout
 
 LAYERS = 2
 
@@ -38,7 +39,8 @@ def _lowered_step(dtype, backend: str, *, tied: bool = False, **model_kw) -> str
     graphdef, state = nnx.split(model)
     table_a, table_b = block_tables(2)
     ids, md = make_batch([Chunk(list(range(2, 9)), 0, table_a), Chunk([5], 6, table_b)])
-    page = jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim), dtype)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+    page = jax.ShapeDtypeStruct(kv_layout.pages_shape(*shape, kv_layout.heads_major(backend)), dtype)  # its layout
     caches = [(page, page)] * LAYERS
 
     def step(state, caches, ids, md):

@@ -15,6 +15,7 @@ from jaxserve.pallas_kernels import fp8
 from jaxserve.pallas_kernels.attention import paged_attention as reference_backend
 from jaxserve.pallas_kernels.random_batch import make_batch
 from jaxserve.pallas_kernels.reference import write_kv
+from jaxserve.pallas_kernels.kv_layout import to_heads_major
 from jaxserve.pallas_kernels.xla_attention import paged_attention_xla
 
 FORMATS = [jnp.float8_e4m3fn, jnp.float8_e5m2]
@@ -94,9 +95,11 @@ def test_xla_backend_agrees_with_reference_on_fp8(dtype):
     kw = dict(scale=64**-0.5, k_scale=k_scale, v_scale=v_scale)
     with jax.default_matmul_precision("highest"):
         ref, k_ref, v_ref = reference_backend(*args, **kw)
+        hm = (b.q, b.k_new, b.v_new, to_heads_major(b.k_pages), to_heads_major(b.v_pages), b.md)  # its cache's layout
         out, k_out, v_out = jax.jit(functools.partial(paged_attention_xla, scale=kw["scale"]))(
-            *args, k_scale=k_scale, v_scale=v_scale
+            *hm, k_scale=k_scale, v_scale=v_scale
         )
+        k_out, v_out = to_heads_major(k_out), to_heads_major(v_out)  # back to [N, P, K, D]
     assert k_out.dtype == dtype
     np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_ref, np.float32))  # same write
     np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))

@@ -16,6 +16,7 @@ from hlo_precision import dot_precisions
 
 from jaxserve import config
 from jaxserve.pallas_kernels import mosaic_prefill, precision
+from jaxserve.pallas_kernels import kv_layout
 from jaxserve.pallas_kernels.attention import get_attention_fn
 from jaxserve.pallas_kernels.paged_attention_pallas import GpuKernelConfig, _use_mosaic_prefill
 from jaxserve.pallas_kernels.random_batch import make_batch
@@ -57,9 +58,12 @@ def test_backend_dots_carry_the_precision(backend, dtype, prec, want):
         block_size=4, dtype=dtype,
     )  # fmt: skip
     fn = get_attention_fn(backend, "cpu")
+    pages = (b.k_pages, b.v_pages)
+    if kv_layout.heads_major(backend):  # the backend's own cache layout
+        pages = tuple(map(kv_layout.to_heads_major, pages))
     text = (
         jax.jit(lambda *a: fn(*a, scale=0.25, precision=prec))
-        .lower(b.q, b.k_new, b.v_new, b.k_pages, b.v_pages, b.md)
+        .lower(b.q, b.k_new, b.v_new, *pages, b.md)
         .as_text()
     )
     counts = dot_precisions(text)

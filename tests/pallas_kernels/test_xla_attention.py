@@ -11,18 +11,26 @@ import numpy as np
 import pytest
 
 from jaxserve.pallas_kernels.attention import paged_attention as reference_backend
+from jaxserve.pallas_kernels.kv_layout import to_heads_major
 from jaxserve.pallas_kernels.random_batch import make_batch
 from jaxserve.pallas_kernels.xla_attention import paged_attention_xla
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float32: 1e-5}  # relative (Frobenius) error, as for the Pallas kernels
 
 
+def xla_backend(q, k_new, v_new, k_pages, v_pages, md, **kw):
+    """The backend over token-major pages (the batches' and the reference's): its own cache is heads-major
+    [N, K, P, D], so the pages go in swapped and come back swapped."""
+    fn = jax.jit(functools.partial(paged_attention_xla, **kw))
+    out, k_out, v_out = fn(q, k_new, v_new, to_heads_major(k_pages), to_heads_major(v_pages), md)
+    return out, to_heads_major(k_out), to_heads_major(v_out)
+
+
 def _compare(batch, *, scale=0.1, sliding_window=None, dtype=jnp.float32):
     args = (batch.q, batch.k_new, batch.v_new, batch.k_pages, batch.v_pages, batch.md)
     with jax.default_matmul_precision("highest"):
         ref, k_ref, v_ref = reference_backend(*args, scale=scale, sliding_window=sliding_window)
-        fn = jax.jit(functools.partial(paged_attention_xla, scale=scale, sliding_window=sliding_window))
-        out, k_out, v_out = fn(*args)
+        out, k_out, v_out = xla_backend(*args, scale=scale, sliding_window=sliding_window)
     np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_ref, np.float32))  # same KV write
     np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))
     n = int(batch.md.query_start_loc[-1])
@@ -88,9 +96,7 @@ def test_decode_only_path(num_seqs, pad_seqs):
                        block_size=16, dtype=jnp.float32, pad_tokens=3, pad_seqs=pad_seqs)  # fmt: skip
     batch = dataclasses.replace(batch, md=dataclasses.replace(batch.md, decode_only=True))
     _compare(batch)
-    out, _, _ = jax.jit(functools.partial(paged_attention_xla, scale=0.1))(
-        batch.q, batch.k_new, batch.v_new, batch.k_pages, batch.v_pages, batch.md
-    )
+    out, _, _ = xla_backend(batch.q, batch.k_new, batch.v_new, batch.k_pages, batch.v_pages, batch.md, scale=0.1)
     np.testing.assert_array_equal(np.asarray(out)[num_seqs:], 0.0)
 
 
@@ -103,7 +109,6 @@ def test_nan_in_padding_rows_does_not_leak():
                        block_size=16, dtype=jnp.float32, pad_tokens=6, pad_seqs=1)  # fmt: skip
     n = sum(q_lens)
     poisoned = dict(k_new=batch.k_new.at[n:].set(jnp.nan), v_new=batch.v_new.at[n:].set(jnp.nan))
-    fn = jax.jit(functools.partial(paged_attention_xla, scale=0.1))
-    out, _, _ = fn(batch.q, poisoned["k_new"], poisoned["v_new"], batch.k_pages, batch.v_pages, batch.md)
+    out, _, _ = xla_backend(batch.q, poisoned["k_new"], poisoned["v_new"], batch.k_pages, batch.v_pages, batch.md, scale=0.1)
     assert np.isfinite(np.asarray(out)[:n]).all()
     _compare(batch)
