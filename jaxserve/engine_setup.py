@@ -106,8 +106,8 @@ def build_engine_components(
     dtype = serving_dtype(args.dtype, platform)
     backend = resolve_backend(args.attention_backend, platform)
     check_kv_cache_dtype(args.kv_cache_dtype, backend, platform)  # before any weight is read
-    attention_fn = get_attention_fn(backend, platform)
     tp = args.tensor_parallel_size
+    attention_fn = get_attention_fn(backend, platform, tp)
     if mesh is None:
         mesh = sharding.replica_meshes(sharding.make_mesh(tp, args.data_parallel_size))[0]
     if tp > 1:

@@ -80,13 +80,13 @@ _STATIC_ARGNAMES = ("scale", "sliding_window", "precision")
 
 
 @functools.cache
-def get_attention_fn(name: str, platform: str) -> AttentionFn:
+def get_attention_fn(name: str, platform: str, tensor_parallel: int = 1) -> AttentionFn:
     # Every backend comes wrapped in a jit of its own: every layer calls attention with the same shapes, so
     # it is traced and lowered once per step shape instead of once per layer. XLA inlines the call; the
     # step runs the same. Measured: tracing the xla backend's loops 30 times was ~1.2 s of each shape's
     # start-up on CPU; lowered per layer, the Mosaic GPU prefill kernel was built 32 times per step shape of
     # an 8B model (~2.9 s each on the H200: 105 s per shape instead of ~16 s).
-    fn = _backend_fn(resolve_backend(name, platform), platform)
+    fn = _backend_fn(resolve_backend(name, platform), platform, tensor_parallel)
     return jax.jit(fn, static_argnames=_STATIC_ARGNAMES)
 
 
@@ -99,12 +99,17 @@ def donating_kv(fn: AttentionFn) -> AttentionFn:
     return jax.jit(fn, static_argnames=_STATIC_ARGNAMES, donate_argnums=(3, 4))
 
 
-def _backend_fn(backend: str, platform: str) -> AttentionFn:
+def _backend_fn(backend: str, platform: str, tensor_parallel: int = 1) -> AttentionFn:
     if backend == "reference":
         return paged_attention
     if backend == "xla":
+        from jaxserve.pallas_kernels import cpu_native
         from jaxserve.pallas_kernels.xla_attention import paged_attention_xla
 
+        # On the CPU its decode rows go to a C++ kernel (cpu_native.py), unless the heads are split over devices:
+        # XLA's partitioner cannot split a custom call, and would gather the whole cache onto every device for it.
+        if platform == "cpu" and tensor_parallel == 1 and cpu_native.available():
+            return functools.partial(paged_attention_xla, native=True)
         return paged_attention_xla
     try:
         from jaxserve.pallas_kernels.paged_attention_pallas import paged_attention_pallas

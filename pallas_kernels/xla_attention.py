@@ -5,7 +5,8 @@ prompt tokens whose sequence has nothing cached yet, so that gather is almost al
 made the jnp path cost as much as the model itself on CPU. Here each token takes one of three routes:
 
 1. The **last token of every sequence** (all decodes, and each prompt chunk's final token) attends
-   over its sequence's pages, gathered once per sequence: S x C x K x D instead of T x C x K x D.
+   over its sequence's pages, gathered once per sequence: S x C x K x D instead of T x C x K x D. On the CPU
+   a C++ kernel (``native``, cpu_native.py) does this route without the gathered copy.
 2. **Other tokens** (inside prompt chunks) attend to this step's keys directly (a dense T x T product,
    masked to the same sequence and causally), with no gather at all...
 3. ...plus, only for the few multi-token sequences that already have cached context (later prefill
@@ -22,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas_kernels import fp8
+from jaxserve.pallas_kernels import cpu_native, fp8
 from jaxserve.pallas_kernels import precision as prec
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.pallas_kernels.reference import _MASK_VALUE, write_kv
@@ -57,6 +58,7 @@ def ragged_paged_attention_xla(
     precision: jax.lax.Precision | None = None,  # of every product; None: from q's dtype (precision.resolve)
     k_scale=1.0,  # fp8 caches (fp8.py): stored values times these are the keys and values
     v_scale=1.0,
+    native: bool = False,  # route 1 by the C++ kernel (cpu_native.py) where it reads the cache's dtype
 ) -> jax.Array:  # [T, H, D]
     t, h, d = q.shape
     precision = prec.resolve(precision, q.dtype)
@@ -105,7 +107,12 @@ def ragged_paged_attention_xla(
 
     zeros_last = jnp.zeros((s, kh, g, d), f32)
     one_token = md.decode_only and md.decode_query_len == 1  # every token is its sequence's last
-    if one_token and ch == s:  # one chunk: no loop (XLA:CPU pays for a while loop per layer)
+    if native and cpu_native.reads(k_pages.dtype):
+        # The same rows, each sequence's pages read where they lie: no gathered copy (padding rows give zeros).
+        out_last = cpu_native.decode_attention(
+            q_last, k_pages, v_pages, md.block_tables, md.seq_lens, scale=scale, sliding_window=sliding_window
+        )
+    elif one_token and ch == s:  # one chunk: no loop (XLA:CPU pays for a while loop per layer)
         out_last = last_tokens(0, zeros_last)  # [S, K, G, D]
     else:
         num_chunks = ((md.seq_lens > 0).sum() + ch - 1) // ch  # real sequences come first
@@ -170,6 +177,7 @@ def paged_attention_xla(
     precision: jax.lax.Precision | None = None,
     k_scale=1.0,  # fp8 caches only (fp8.py)
     v_scale=1.0,
+    native: bool = False,  # each sequence's last token by the C++ kernel (cpu_native.py); CPU only
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The 'xla' backend: write this step's KV, then attend. Returns (out[T,H,D], k_pages, v_pages).
 
@@ -179,6 +187,6 @@ def paged_attention_xla(
     k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, md.slot_mapping, k_scale, v_scale, heads_major=True)
     out = ragged_paged_attention_xla(
         q, k_new, v_new, k_pages, v_pages, md, scale=scale, sliding_window=sliding_window, precision=precision,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, native=native,
     )
     return out, k_pages, v_pages

@@ -7,7 +7,8 @@ A 30-layer chain at SmolLM2-135M's widths (3 KV heads, 3 query heads each, head_
 new K and V first and then attends, as the xla backend does. Prints each layout's cost per layer beyond a chain
 without attention (median and best of the runs, alternated; docs/BENCHMARKS.md §34). ``early`` is heads-major
 pages gathered at the start of each layer, before its KV write (the new token patched into the gathered
-context), so that the gather may run beside the layer's products (§35). ``--trace`` also profiles ten calls of
+context), so that the gather may run beside the layer's products (§35). ``native`` is heads-major pages read in place by the C++ kernel
+(cpu_native.py; §36). ``--trace`` also profiles ten calls of
 each and sums the time by XLA op kind.
 """
 import os, sys, time, statistics
@@ -50,6 +51,15 @@ def layer_hm(kp, vp, q, kn, vn):  # [N, K, P, D]
     v_seq = vp[table].transpose(1, 0, 2, 3).reshape(K, C, D)
     sc = jnp.einsum("kcd,kgd->kcg", k_seq, q, precision=HI)
     return softmax_pv(sc, v_seq, "kcg,kcd->kgd"), kp, vp
+
+
+def layer_native(kp, vp, q, kn, vn):  # [N, K, P, D], read in place by the C++ kernel (cpu_native.py)
+    from jaxserve.pallas_kernels import cpu_native
+
+    kp, vp = write_hm(kp, vp, kn, vn)
+    o = cpu_native.decode_attention(q[None], kp, vp, table[None], jnp.asarray([LEN], jnp.int32), scale=0.125,
+                                    sliding_window=None)
+    return o[0], kp, vp
 
 
 def layer_none(kp, vp, q, kn, vn):
@@ -109,7 +119,11 @@ def main() -> None:
     slot = table[(LEN - 1) // P] * P + (LEN - 1) % P
     ws = [jnp.asarray(rng.standard_normal((HID, 3072)) * 0.02, jnp.float32) for _ in range(L)]
     w2 = [jnp.asarray(rng.standard_normal((3072, (K * G + 2 * K) * D)) * 0.02, jnp.float32) for _ in range(L)]
+    from jaxserve.pallas_kernels import cpu_native
+
     variants = {"tm": layer_tm, "hm": layer_hm, "early": None, "none": layer_none}
+    if cpu_native.available():
+        variants = {"native": layer_native, **variants}
     caches = {}
     base_k = rng.standard_normal((N, P, K, D)).astype(np.float32)
     for name in variants:
@@ -124,8 +138,9 @@ def main() -> None:
         return x
     for k in fs:
         outs[k] = run(k)
-    for k in ("hm", "early"):
-        np.testing.assert_allclose(np.asarray(outs[k]), np.asarray(outs["tm"]), rtol=1e-5, atol=1e-6)
+    for k in ("hm", "early", "native"):
+        if k in outs:
+            np.testing.assert_allclose(np.asarray(outs[k]), np.asarray(outs["tm"]), rtol=1e-5, atol=1e-6)
     times = {k: [] for k in fs}
     for _ in range(int(os.environ.get("REPS", 40))):
         for k, f in fs.items():
@@ -136,7 +151,9 @@ def main() -> None:
         print(f"{k:5s} median {m*1e3:7.2f} ms  min {min(t)*1e3:7.2f}  attention/layer median {(m-base)/L*1e6:6.1f} us, min {(min(t)-bmin)/L*1e6:6.1f} us")
     if "--trace" in sys.argv:
         import collections, json, re, subprocess, tempfile
-        for k in ("tm", "hm", "early"):
+        for k in ("tm", "hm", "early", "native"):
+            if k not in fs:
+                continue
             d = tempfile.mkdtemp(prefix=f"page_layout_{k}_")
             with jax.profiler.trace(d):
                 for _ in range(10):

@@ -84,7 +84,9 @@ def time_loads(path: str, fmt: str, args, repeats: int, cold: bool) -> list[floa
 
     platform_name = current_platform()
     mesh = sharding.replica_meshes(sharding.make_mesh(args.tensor_parallel_size))[0]
-    attention_fn = get_attention_fn(resolve_backend(args.attention_backend, platform_name), platform_name)
+    attention_fn = get_attention_fn(
+        resolve_backend(args.attention_backend, platform_name), platform_name, args.tensor_parallel_size
+    )
     dtype = jnp.dtype(serving_dtype(args.dtype, platform_name))
     files = checkpoint_files(path, fmt)
     times = []

@@ -71,7 +71,7 @@ class DraftProposer(FedRoundsMixin):
                 "target's KV cache is sized first and would leave no memory for the draft's (it has as many blocks); "
                 "e.g. --num-gpu-blocks-override 4096 (65k tokens of 16)"
             )
-        attention_fn = get_attention_fn(rc.attention_backend, rc.platform)
+        attention_fn = get_attention_fn(rc.attention_backend, rc.platform, mesh.shape["model"])
         if mesh.shape["model"] > 1 and rc.attention_backend not in GATHER_BACKENDS:
             attention_fn = sharding.shard_attention(attention_fn, mesh)
         # A dummy-weight target (benchmarks) gets a dummy-weight draft of the shape config.model's config.json gives.

@@ -176,7 +176,7 @@ class EagleProposer(FedRoundsMixin):
         spec = read_spec(config.model, config.method, target_text_config)
         c = spec.config
         tp = r.mesh.shape["model"]
-        attention_fn = get_attention_fn(rc.attention_backend, rc.platform)
+        attention_fn = get_attention_fn(rc.attention_backend, rc.platform, tp)
         if tp > 1:  # the head is sharded as the target is (EaglePrograms): whole heads per device
             try:
                 sharding.check_tensor_parallel(c, tp)

@@ -1,0 +1,131 @@
+"""Native CPU kernels: C++ sources next to this file, compiled on first use and called as XLA FFI custom calls.
+
+XLA:CPU emits every jnp op from a fixed set of building blocks, and one of them costs the CPU's decode more than
+its bytes say: gathering each sequence's pages before attending (docs/BENCHMARKS.md §35). The kernels here do
+that one job by hand; the jnp code they replace stays, as their reference and as the fallback.
+
+Building: the first process that needs a kernel compiles it with the system's C++ compiler (``$CXX`` or ``g++``,
+~10 s) against the XLA FFI headers that jaxlib ships, for this machine's CPU (``-march=native``), and keeps the
+shared library under the cache directory (``$JAXSERVE_CACHE_DIR/..`` or ``~/.cache/jaxserve``), named by a hash
+of the source, the compiler, jaxlib and the CPU, so that later starts load it at once. No compiler, or a build
+that fails: a warning, and the jnp path serves instead. ``JAXSERVE_CPU_KERNELS=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+logger = logging.getLogger("jaxserve")
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode_attention.cc")
+_TARGET = "jaxserve_cpu_decode_attention"
+_SYMBOL = "JaxserveCpuDecodeAttention"
+# Cache dtypes the kernel reads; others (fp8) take the jnp path.
+KERNEL_KV_DTYPES = ("float32", "bfloat16")
+# -fno-math-errno and -fopenmp-simd let the loops vectorize (the pragmas need no OpenMP runtime).
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+
+
+def enabled() -> bool:
+    """The user's switch: ``JAXSERVE_CPU_KERNELS=0`` (or false/off/no) turns the native kernels off."""
+    return os.environ.get("JAXSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cache_root() -> str:
+    xla_dir = os.environ.get("JAXSERVE_CACHE_DIR")  # the compilation cache's folder: keep the builds beside it
+    base = os.path.dirname(os.path.abspath(xla_dir)) if xla_dir else os.path.expanduser("~/.cache/jaxserve")
+    return os.path.join(base, "cpu_kernels")
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return platform.processor() + platform.machine()
+
+
+def _build(cxx: str, include_dir: str) -> str:
+    """The shared library for this source, compiler, jaxlib and CPU: loaded from the cache or compiled into it."""
+    import jaxlib
+
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
+        source, version, " ".join(_FLAGS), jaxlib.__version__, include_dir, _cpu_identity()))).hexdigest()[:24]
+    root = _cache_root()
+    path = os.path.join(root, f"cpu_decode_attention-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(root, exist_ok=True)
+    logger.info("compiling jaxserve's CPU attention kernel (once per machine, ~10 s)")
+    fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, f"-I{include_dir}", _SOURCE, "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)  # atomic: concurrent builders (DP processes, test workers) never see half a file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the decode-attention kernel is built and registered with XLA:CPU (builds it on the first call)."""
+    if not enabled():
+        return False
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        logger.warning("no C++ compiler found (g++, c++, clang++ or $CXX): CPU attention uses the jnp path, slower")
+        return False
+    try:
+        import jax
+
+        path = _build(cxx, jax.ffi.include_dir())
+        lib = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure leaves the jnp path, which is always correct
+        logger.warning("could not build jaxserve's CPU attention kernel (%s: %s); using the jnp path", type(e).__name__, e)
+        return False
+    return True
+
+
+def reads(kv_dtype) -> bool:
+    """Whether the kernel reads a cache of this dtype (fp8 caches take the jnp path)."""
+    import jax.numpy as jnp
+
+    return jnp.dtype(kv_dtype).name in KERNEL_KV_DTYPES
+
+
+def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale: float, sliding_window: int | None):
+    """Each sequence's query rows over its own pages, read in place (cpu_decode_attention.cc).
+
+    q [S, K, G, D] float32; pages [N, K, P, D] float32 or bfloat16 (heads-major); block_tables [S, B] and
+    seq_lens [S] int32. Returns [S, K, G, D] float32. Call only where ``available()`` is True.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(_TARGET, out)(
+        q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
+        scale=np.float32(scale), window=np.int32(-1 if sliding_window is None else sliding_window),
+    )
