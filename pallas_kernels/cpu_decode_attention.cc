@@ -7,7 +7,7 @@
 // straight from its page, into a score buffer and an accumulator that stay in L1.
 //
 // Shapes (heads-major cache, kv_layout.py): q [S, K, G, D] float32; k_pages, v_pages [N, K, P, D] float32 or
-// bfloat16; block_tables [S, B] int32; seq_lens [S] int32 (0: a padding row, whose output is zeros).
+// bfloat16 (or bfloat16 bits in uint16, as fp8.storage_dtype keeps a bf16 cache on the CPU); block_tables [S, B] int32; seq_lens [S] int32 (0: a padding row, whose output is zeros).
 // Attributes: scale (float), window (int32: a sliding window in tokens, or -1 for none).
 // Output [S, K, G, D] float32. Built and registered by cpu_native.py; the pure-jnp route 1 is its reference.
 
@@ -169,12 +169,13 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, 
                        kv_heads, group, page, dim, blocks, scale, window);
       return ffi::Error::Success();
     case ffi::BF16:
+    case ffi::U16:  // bfloat16 bits: how a CPU gather backend stores a bf16 cache (fp8.storage_dtype)
       decode_attention(q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
                        static_cast<const uint16_t*>(v_pages.untyped_data()), tables, lens, out->typed_data(),
                        num_seqs, kv_heads, group, page, dim, blocks, scale, window);
       return ffi::Error::Success();
     default:
-      return ffi::Error::InvalidArgument("cpu_decode_attention: pages must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument("cpu_decode_attention: pages must be float32 or bfloat16 (or its bits)");
   }
 }
 

@@ -29,8 +29,9 @@ logger = logging.getLogger("jaxserve")
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode_attention.cc")
 _TARGET = "jaxserve_cpu_decode_attention"
 _SYMBOL = "JaxserveCpuDecodeAttention"
-# Cache dtypes the kernel reads; others (fp8) take the jnp path.
-KERNEL_KV_DTYPES = ("float32", "bfloat16")
+# Cache dtypes the kernel reads; others (fp8) take the jnp path. uint16 is a bf16 cache's bits (fp8.BF16_BITS:
+# how the CPU's gather backends store bf16).
+KERNEL_KV_DTYPES = ("float32", "bfloat16", "uint16")
 # -fno-math-errno and -fopenmp-simd let the loops vectorize (the pragmas need no OpenMP runtime).
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 

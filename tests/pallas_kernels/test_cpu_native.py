@@ -61,6 +61,22 @@ def test_kernel_equals_route_one(kh, g, d, p, dtype, window):
 
 
 @needs_kernel
+def test_bf16_bits_cache():
+    """A bf16 cache on the CPU is stored as uint16 bits (fp8.storage_dtype): the kernel reads it as bf16."""
+    from jaxserve.pallas_kernels import fp8
+
+    rng = np.random.default_rng(5)
+    k_pages = jnp.asarray(rng.standard_normal((6, 2, 16, 64)), jnp.bfloat16)
+    v_pages = jnp.asarray(rng.standard_normal((6, 2, 16, 64)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((2, 2, 3, 64)), jnp.float32)
+    tables, lens = jnp.asarray([[4, 1], [0, 5]], jnp.int32), jnp.asarray([20, 9], jnp.int32)
+    bits = [jax.lax.bitcast_convert_type(a, fp8.BF16_BITS) for a in (k_pages, v_pages)]
+    assert cpu_native.reads(fp8.BF16_BITS)
+    call = functools.partial(cpu_native.decode_attention, scale=0.125, sliding_window=None)
+    np.testing.assert_array_equal(np.asarray(call(q, *bits, tables, lens)), np.asarray(call(q, k_pages, v_pages, tables, lens)))
+
+
+@needs_kernel
 def test_never_reads_past_the_context():
     """Slots past a sequence's length (stale or NaN in a real cache) must not reach its output."""
     rng = np.random.default_rng(0)
