@@ -39,7 +39,7 @@ from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
-from jaxserve.pallas_kernels import kv_layout
+from jaxserve.pallas_kernels import cpu_native, kv_layout
 from jaxserve.pallas_kernels.attention import GATHER_BACKENDS
 from jaxserve.pallas_kernels.fp8 import is_fp8, kv_cache_dtype_for, storage_dtype
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
@@ -194,10 +194,13 @@ class ModelRunner:
         # Plain steps keep XLA's command buffers, but not in a speculative engine, whose loop launches each step
         # after reading the last (launch_mode). Given to jit, the options reach every compile of these steps.
         self._step_options = launch_mode.compiler_options(runner_config.platform, runner_config.host_bound_steps)
+        # One-row float32 products by the CPU's native kernel, where the step runs on one device (cpu_native.py).
+        self.native_products = runner_config.platform == "cpu" and self.mesh.size == 1 and cpu_native.loaded("gemv")
         self._steps = {
             decode_only: jax.jit(
                 functools.partial(
-                    forward_step, self.graphdef, self._treedef, self.max_rows, decode_only, lora_spec, self.aux_layers
+                    forward_step, self.graphdef, self._treedef, self.max_rows, decode_only, lora_spec, self.aux_layers,
+                    native_products=self.native_products,
                 ),
                 donate_argnums=1,
                 in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * (4 + num_mm),

@@ -20,6 +20,7 @@ from flax import nnx
 from jaxserve import kv_scale_calibration
 from jaxserve.batch_builder import StepInputs
 from jaxserve.models.lora import for_layers as lora_for_layers
+from jaxserve.pallas_kernels import cpu_native
 from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import SamplerOutput, argmax, sample
 from jaxserve.sampling_metadata import SamplingMetadata
@@ -27,7 +28,7 @@ from jaxserve.sampling_metadata import SamplingMetadata
 
 def forward_step(
     graphdef, treedef, num_rows_max, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields,
-    prev_tokens, kv_scales, *mm,
+    prev_tokens, kv_scales, *mm, native_products: bool = False,
 ):
     """Pure step: (params, cache, packed batch) -> (logits of each sequence's last token [S, V], their argmax
     padded to [S_max], new cache).
@@ -43,6 +44,8 @@ def forward_step(
     ``kv_scales`` [L, 2] f32 (calculate_kv_scales only; else None): the layers' fp8 scales as traced values.
     A vision-language model's step also takes ``mm = (mm_fields [4, T] i32, image pool [P, D])``
     (jaxserve.vision_runner); a text model's program has no such arguments.
+    ``native_products`` (static): one-row float32 products may take the CPU's native kernel (cpu_native.products;
+    only for a program on one device).
     """
     input_ids, prev_index, md = unpack_inputs(tok_fields, seq_fields, decode_only)
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
@@ -55,8 +58,9 @@ def forward_step(
     if kv_scales is not None:
         kv_scale_calibration.with_kv_scales(model, kv_scales)
     lora_kw = {"lora": lora} if lora is not None else {}
-    hidden, kv_caches = run_model(model, input_ids, kv_caches, md, aux_layers, **lora_kw, **mm_kwargs(mm))  # [T, E]
-    logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
+    with cpu_native.products(native_products):
+        hidden, kv_caches = run_model(model, input_ids, kv_caches, md, aux_layers, **lora_kw, **mm_kwargs(mm))  # [T, E]
+        logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
     greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
     return logits, greedy, kv_caches
 

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxserve.models import cpu_bf16
 from jaxserve.models.config import TextModelConfig
+from jaxserve.pallas_kernels import cpu_native
 from jaxserve.pallas_kernels.precision import matmul_precision
 
 # HF initialises projections with normal(0, initializer_range=0.02); dummy weights use the same scale.
@@ -96,6 +97,8 @@ class Embed(nnx.Module):
         table = self.embedding[...]  # [V, D]
         if cpu_bf16.applies(table.dtype):
             return cpu_bf16.tied_logits(x.astype(table.dtype), table, self.precision)
+        if cpu_native.use_matvec(x.astype(table.dtype), table):  # one float32 row, native kernel allowed (CPU)
+            return cpu_native.matvec_t(table, x.astype(table.dtype))
         if x.shape[0] == 1:
             # One row (a single-stream decode): as a matrix-vector product XLA:CPU runs a real dot;
             # the row-times-transposed-table form became a loop fusion ~2x slower than the table read.

@@ -13,8 +13,11 @@ that fails: a warning, and the jnp path serves instead. ``JAXSERVE_CPU_KERNELS=0
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
+import math
 import hashlib
 import logging
 import os
@@ -26,9 +29,12 @@ import numpy as np
 
 logger = logging.getLogger("jaxserve")
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode_attention.cc")
-_TARGET = "jaxserve_cpu_decode_attention"
-_SYMBOL = "JaxserveCpuDecodeAttention"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Each kernel: its source file and the FFI targets it defines (target name -> exported handler symbol).
+_KERNELS = {
+    "attention": ("cpu_decode_attention.cc", {"jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention"}),
+    "gemv": ("cpu_gemv.cc", {"jaxserve_cpu_gemv": "JaxserveCpuGemv", "jaxserve_cpu_gemv_t": "JaxserveCpuGemvT"}),
+}
 # Cache dtypes the kernel reads; others (fp8) take the jnp path. uint16 is a bf16 cache's bits (fp8.BF16_BITS:
 # how the CPU's gather backends store bf16).
 KERNEL_KV_DTYPES = ("float32", "bfloat16", "uint16")
@@ -59,24 +65,25 @@ def _cpu_identity() -> str:
         return platform.processor() + platform.machine()
 
 
-def _build(cxx: str, include_dir: str) -> str:
+def _build(source_name: str, cxx: str, include_dir: str) -> str:
     """The shared library for this source, compiler, jaxlib and CPU: loaded from the cache or compiled into it."""
     import jaxlib
 
-    with open(_SOURCE, "rb") as f:
+    source_path = os.path.join(_HERE, source_name)
+    with open(source_path, "rb") as f:
         source = f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
         source, version, " ".join(_FLAGS), jaxlib.__version__, include_dir, _cpu_identity()))).hexdigest()[:24]
     root = _cache_root()
-    path = os.path.join(root, f"cpu_decode_attention-{key}.so")
+    path = os.path.join(root, f"{os.path.splitext(source_name)[0]}-{key}.so")
     if os.path.exists(path):
         return path
     os.makedirs(root, exist_ok=True)
-    logger.info("compiling jaxserve's CPU attention kernel (once per machine, ~10 s)")
+    logger.info("compiling jaxserve's CPU kernel %s (once per machine, a few seconds)", source_name)
     fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{include_dir}", _SOURCE, "-o", tmp]
+    cmd = [cxx, *_FLAGS, f"-I{include_dir}", source_path, "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
@@ -89,24 +96,34 @@ def _build(cxx: str, include_dir: str) -> str:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the decode-attention kernel is built and registered with XLA:CPU (builds it on the first call)."""
+def loaded(kernel: str) -> bool:
+    """Whether ``kernel`` ("attention" or "gemv") is built and registered with XLA:CPU (built on the first call)."""
     if not enabled():
         return False
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
-        logger.warning("no C++ compiler found (g++, c++, clang++ or $CXX): CPU attention uses the jnp path, slower")
+        logger.warning("no C++ compiler found (g++, c++, clang++ or $CXX): the CPU uses its jnp path, slower")
         return False
+    source_name, targets = _KERNELS[kernel]
     try:
         import jax
 
-        path = _build(cxx, jax.ffi.include_dir())
-        lib = ctypes.cdll.LoadLibrary(path)
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+        lib = ctypes.cdll.LoadLibrary(_build(source_name, cxx, jax.ffi.include_dir()))
+        for target, symbol in targets.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure leaves the jnp path, which is always correct
-        logger.warning("could not build jaxserve's CPU attention kernel (%s: %s); using the jnp path", type(e).__name__, e)
+        logger.warning("could not build jaxserve's CPU kernel %s (%s: %s); using the jnp path", source_name,
+                       type(e).__name__, e)  # fmt: skip
         return False
     return True
+
+
+def available() -> bool:
+    """Whether the decode-attention kernel is built and registered with XLA:CPU (builds it on the first call)."""
+    return loaded("attention")
+
+
+available.cache_clear = loaded.cache_clear  # type: ignore[attr-defined]  # tests reset the build state
 
 
 def reads(kv_dtype) -> bool:
@@ -126,7 +143,56 @@ def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale: floa
     import jax.numpy as jnp
 
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out)(
+    return jax.ffi.ffi_call("jaxserve_cpu_decode_attention", out)(
         q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
         scale=np.float32(scale), window=np.int32(-1 if sliding_window is None else sliding_window),
     )
+
+
+# One-row products (cpu_gemv.cc). Only programs that run on one device may use them: XLA's partitioner cannot
+# split a custom call, and under TP would gather every weight onto every device for it. The step program that
+# the runner compiles says so at trace time (``products``); everything else traces the plain product.
+_products = contextvars.ContextVar("jaxserve_cpu_native_products", default=False)
+
+
+@contextlib.contextmanager
+def products(allowed: bool):
+    """Within this block (a trace), one-row float32 products may take the native kernel (``matvec``)."""
+    token = _products.set(bool(allowed))
+    try:
+        yield
+    finally:
+        _products.reset(token)
+
+
+def use_matvec(x, kernel) -> bool:
+    """Whether ``x [1, K] @ kernel [K, ...]`` (or a tied head's one row) goes to the native kernel: the trace allows it,
+    one row, float32 operands, and the kernel is built."""
+    import jax.numpy as jnp
+
+    return (
+        _products.get() and x.ndim == 2 and x.shape[0] == 1 and x.dtype == jnp.float32
+        and kernel.dtype == jnp.float32 and loaded("gemv")
+    )  # fmt: skip
+
+
+def matvec(x, kernel):
+    """x [1, K] @ kernel [K, *out] -> [1, *out] float32, on every core (cpu_gemv.cc)."""
+    import jax
+    import jax.numpy as jnp
+
+    out = kernel.shape[1:]
+    n = math.prod(out)
+    y = jax.ffi.ffi_call("jaxserve_cpu_gemv", jax.ShapeDtypeStruct((n,), jnp.float32))(
+        x.reshape(-1), kernel.reshape(kernel.shape[0], n)
+    )
+    return y.reshape(1, *out)
+
+
+def matvec_t(table, x):
+    """table [N, K] times x [1, K] -> [1, N] float32 (a tied head: rows of the table dotted with the row)."""
+    import jax
+    import jax.numpy as jnp
+
+    y = jax.ffi.ffi_call("jaxserve_cpu_gemv_t", jax.ShapeDtypeStruct((table.shape[0],), jnp.float32))(table, x.reshape(-1))
+    return y[None]

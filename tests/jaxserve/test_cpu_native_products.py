@@ -1,0 +1,99 @@
+"""One-row float32 products by the CPU's native kernel (cpu_native.matvec / matvec_t, cpu_gemv.cc): equal to the
+plain product, taken by a single-stream decode step on one device, and never traced under TP or outside a step
+that allows it. Greedy tokens stay equal to HF transformers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_fixtures import checkpoint, small_engine_kwargs
+from tiny_models import VARIANTS, hf_greedy
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.models import cpu_bf16
+from jaxserve.pallas_kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.loaded("gemv"), reason="no C++ compiler to build the kernel")
+
+
+@pytest.mark.parametrize("k,n", [(576, 3072), (1536, 576), (64, 49152), (7, 5), (3, 1), (2048, 2048)])
+def test_matvec_equals_the_product(k, n):
+    """Shapes that split over threads (several slices, a remainder of rows) and ones too small to split."""
+    rng = np.random.default_rng(k + n)
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = np.asarray(jax.jit(cpu_native.matvec)(x, w))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    table = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
+    got_t = np.asarray(jax.jit(cpu_native.matvec_t)(table, x))
+    np.testing.assert_allclose(got_t, np.asarray(x, np.float64) @ np.asarray(table, np.float64).T, rtol=1e-5,
+                               atol=1e-5 * np.sqrt(k))  # fmt: skip
+
+
+def test_matvec_keeps_the_output_axes():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((1, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 2, 3, 8)), jnp.float32)  # a fused projection's [in, K, G+2, Dh]
+    with cpu_native.products(True):
+        got = jax.jit(lambda a, b: cpu_bf16.matmul(a, b, None))(x, w)
+    assert got.shape == (1, 2, 3, 8)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("ti,ikgd->tkgd", x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_only_where_a_step_allows_it():
+    """Outside ``products(True)``, and for more than one row or another dtype, the plain product is traced."""
+    x1, x2 = jnp.ones((1, 8), jnp.float32), jnp.ones((2, 8), jnp.float32)
+    w = jnp.ones((8, 4), jnp.float32)
+
+    def traced(x, kernel, allowed):
+        with cpu_native.products(allowed):
+            return jax.jit(lambda a, b: cpu_bf16.matmul(a, b, None)).lower(x, kernel).as_text()
+
+    assert "jaxserve_cpu_gemv" in traced(x1, w, True)
+    assert "jaxserve_cpu_gemv" not in traced(x1, w, False)
+    assert "jaxserve_cpu_gemv" not in traced(x2, w, True)
+    assert "jaxserve_cpu_gemv" not in traced(x1.astype(jnp.bfloat16), w.astype(jnp.bfloat16), True)
+
+
+def _count_calls(monkeypatch) -> dict:
+    calls = {"matvec": 0, "matvec_t": 0}
+    for name in calls:
+        real = getattr(cpu_native, name)
+
+        def counted(*a, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*a)
+
+        monkeypatch.setattr(cpu_native, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_single_stream_uses_the_kernel_and_matches_hf(variant, monkeypatch):
+    """One request at a time: its decode steps are one-row steps, traced with the kernel; tokens equal HF's."""
+    calls = _count_calls(monkeypatch)
+    path = checkpoint(variant)
+    llm = LLM(path, **small_engine_kwargs())
+    assert llm.llm_engine.runner.native_products
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    for n in (1, 9, 40):
+        prompt = np.random.default_rng(n).integers(2, 500, size=n).tolist()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out == hf_greedy(path, prompt, 10), f"prompt of {n} tokens"
+    assert calls["matvec"] > 0
+
+
+def test_not_under_tensor_parallelism(monkeypatch):
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 host devices")
+    calls = _count_calls(monkeypatch)
+    path = checkpoint("llama_gqa")
+    llm = LLM(path, **small_engine_kwargs(tensor_parallel_size=2))
+    assert not llm.llm_engine.runner.native_products
+    prompt = list(range(2, 20))
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 6)
+    assert calls == {"matvec": 0, "matvec_t": 0}
