@@ -9,8 +9,10 @@ float32.
 
 The forms here give the same numbers as the plain product: float32 accumulation rounded once to the output
 dtype, which is also what the slow path computed. ``matmul`` is every projection's product: for other platforms
-and dtypes (``applies`` is False) it is the plain one, so GPU and TPU programs are unchanged. One float32 row, in a
-step program that allows it, goes to the native one-row kernel instead (``cpu_native.matvec``).
+and dtypes (``applies`` is False) it is the plain one, so GPU and TPU programs are unchanged. One row (float32 or
+bf16), in a step program that allows it, goes to the native one-row kernel instead (``cpu_native.matvec``): it
+reads a bf16 weight as bf16, with float32 sums, where the padded two-row form above converts nothing but still
+runs XLA:CPU's two-row GEMM.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def matmul(x: jax.Array, kernel: jax.Array, precision, out_dtype=jnp.float32) ->
     takes the fast form; anything else the plain product."""
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     out_dtype = jnp.dtype(out_dtype)
-    if out_dtype == jnp.float32 and cpu_native.use_matvec(x, kernel):  # a float32 single-stream decode on the CPU
-        return cpu_native.matvec(x, kernel)
+    if cpu_native.use_matvec(x, kernel):  # a single-stream decode on the CPU: float32 sums, rounded once
+        return cpu_native.matvec(x, kernel).astype(out_dtype)
     if not applies(x.dtype):
         preferred = None if out_dtype == x.dtype else out_dtype
         return jax.lax.dot_general(x, kernel, dims, precision=precision, preferred_element_type=preferred)

@@ -95,10 +95,10 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:  # x [S, D] -> logits [S, V] float32
         table = self.embedding[...]  # [V, D]
+        if cpu_native.use_matvec(x.astype(table.dtype), table):  # one f32/bf16 row, native kernel allowed (CPU)
+            return cpu_native.matvec_t(table, x.astype(table.dtype))
         if cpu_bf16.applies(table.dtype):
             return cpu_bf16.tied_logits(x.astype(table.dtype), table, self.precision)
-        if cpu_native.use_matvec(x.astype(table.dtype), table):  # one float32 row, native kernel allowed (CPU)
-            return cpu_native.matvec_t(table, x.astype(table.dtype))
         if x.shape[0] == 1:
             # One row (a single-stream decode): as a matrix-vector product XLA:CPU runs a real dot;
             # the row-times-transposed-table form became a loop fusion ~2x slower than the table read.

@@ -8,7 +8,8 @@ Building: the first process that needs a kernel compiles it with the system's C+
 ~10 s) against the XLA FFI headers that jaxlib ships, for this machine's CPU (``-march=native``), and keeps the
 shared library under the cache directory (``$JAXSERVE_CACHE_DIR/..`` or ``~/.cache/jaxserve``), named by a hash
 of the source, the compiler, jaxlib and the CPU, so that later starts load it at once. No compiler, or a build
-that fails: a warning, and the jnp path serves instead. ``JAXSERVE_CPU_KERNELS=0`` turns the kernels off.
+that fails: a warning, and the jnp path serves instead. ``JAXSERVE_CPU_KERNELS=0`` turns the kernels off;
+``JAXSERVE_CPU_KERNELS=attention`` (a comma list) keeps only those named.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # Each kernel: its source file and the FFI targets it defines (target name -> exported handler symbol).
 _KERNELS = {
     "attention": ("cpu_decode_attention.cc", {"jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention"}),
-    "gemv": ("cpu_gemv.cc", {"jaxserve_cpu_gemv": "JaxserveCpuGemv", "jaxserve_cpu_gemv_t": "JaxserveCpuGemvT"}),
+    "gemv": ("cpu_gemv.cc", {"jaxserve_cpu_gemv": "JaxserveCpuGemv", "jaxserve_cpu_gemv_t": "JaxserveCpuGemvT",
+                             "jaxserve_cpu_gemv_bf16": "JaxserveCpuGemvBf16",
+                             "jaxserve_cpu_gemv_t_bf16": "JaxserveCpuGemvTBf16"}),
 }
 # Cache dtypes the kernel reads; others (fp8) take the jnp path. uint16 is a bf16 cache's bits (fp8.BF16_BITS:
 # how the CPU's gather backends store bf16).
@@ -42,9 +45,20 @@ KERNEL_KV_DTYPES = ("float32", "bfloat16", "uint16")
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
-def enabled() -> bool:
-    """The user's switch: ``JAXSERVE_CPU_KERNELS=0`` (or false/off/no) turns the native kernels off."""
-    return os.environ.get("JAXSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+def enabled(kernel: str | None = None) -> bool:
+    """The user's switch, ``JAXSERVE_CPU_KERNELS``: 1 (the default) for every kernel, 0 (or false/off/no) for none,
+    or a comma list of kernel names ("attention", "gemv") for those alone. ``kernel=None`` asks whether any is on."""
+    value = os.environ.get("JAXSERVE_CPU_KERNELS", "1").strip().lower()
+    if value in ("0", "false", "off", "no", ""):
+        return False
+    if value in ("1", "true", "on", "yes", "all"):
+        return True
+    names = {name.strip() for name in value.split(",") if name.strip()}
+    unknown = names - set(_KERNELS)
+    if unknown:
+        raise ValueError(f"JAXSERVE_CPU_KERNELS={value!r} names no kernel {sorted(unknown)}: use 1 (all), 0 (none) "
+                         f"or a comma list of {sorted(_KERNELS)}")
+    return kernel is None or kernel in names
 
 
 def _cache_root() -> str:
@@ -98,7 +112,7 @@ def _build(source_name: str, cxx: str, include_dir: str) -> str:
 @functools.cache
 def loaded(kernel: str) -> bool:
     """Whether ``kernel`` ("attention" or "gemv") is built and registered with XLA:CPU (built on the first call)."""
-    if not enabled():
+    if not enabled(kernel):
         return False
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
@@ -165,25 +179,28 @@ def products(allowed: bool):
         _products.reset(token)
 
 
+# The dtypes the one-row kernels read (x and the weight alike): their FFI targets' suffix.
+_MATVEC_SUFFIX = {"float32": "", "bfloat16": "_bf16"}
+
+
 def use_matvec(x, kernel) -> bool:
     """Whether ``x [1, K] @ kernel [K, ...]`` (or a tied head's one row) goes to the native kernel: the trace allows it,
-    one row, float32 operands, and the kernel is built."""
-    import jax.numpy as jnp
-
+    one row, both operands float32 or both bfloat16, and the kernel is built."""
     return (
-        _products.get() and x.ndim == 2 and x.shape[0] == 1 and x.dtype == jnp.float32
-        and kernel.dtype == jnp.float32 and loaded("gemv")
+        _products.get() and x.ndim == 2 and x.shape[0] == 1 and x.dtype == kernel.dtype
+        and str(x.dtype) in _MATVEC_SUFFIX and loaded("gemv")
     )  # fmt: skip
 
 
 def matvec(x, kernel):
-    """x [1, K] @ kernel [K, *out] -> [1, *out] float32, on every core (cpu_gemv.cc)."""
+    """x [1, K] @ kernel [K, *out] -> [1, *out] float32 (sums in float32), on every core (cpu_gemv.cc)."""
     import jax
     import jax.numpy as jnp
 
     out = kernel.shape[1:]
     n = math.prod(out)
-    y = jax.ffi.ffi_call("jaxserve_cpu_gemv", jax.ShapeDtypeStruct((n,), jnp.float32))(
+    target = "jaxserve_cpu_gemv" + _MATVEC_SUFFIX[str(kernel.dtype)]
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((n,), jnp.float32))(
         x.reshape(-1), kernel.reshape(kernel.shape[0], n)
     )
     return y.reshape(1, *out)
@@ -194,5 +211,6 @@ def matvec_t(table, x):
     import jax
     import jax.numpy as jnp
 
-    y = jax.ffi.ffi_call("jaxserve_cpu_gemv_t", jax.ShapeDtypeStruct((table.shape[0],), jnp.float32))(table, x.reshape(-1))
+    target = "jaxserve_cpu_gemv_t" + _MATVEC_SUFFIX[str(table.dtype)]
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((table.shape[0],), jnp.float32))(table, x.reshape(-1))
     return y[None]

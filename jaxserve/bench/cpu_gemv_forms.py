@@ -15,10 +15,13 @@ round by round, and reports the median time per product and the weight bytes rea
 - ``int8_reduce_major``: int8 stored [K, N]; the same, summing over the major axis.
 - ``s8s8``: the row quantized to int8 too, an int8 x int8 -> int32 dot.
 - ``bf16``: bf16 weights, float32 accumulation (half the bytes).
+- ``native``: W stored [K, N], jaxserve's C++ one-row product (``pallas_kernels/cpu_gemv.cc``), as a
+  single-stream decode step runs it.
 
 ``--layer-forms`` also times 30 layers of the default model's four products (qkv, o, gate-up, down) with
-SiLU and a norm between them, each product ``N`` (``x @ W``) or ``T`` (stored transposed), e.g. ``TNNT``.
-``--quick`` shrinks everything for a smoke test. docs/BENCHMARKS.md §35 has the numbers.
+SiLU and a norm between them, each product ``N`` (``x @ W``), ``T`` (stored transposed) or ``G`` (the native
+kernel), e.g. ``TNNT``. ``--quick`` shrinks everything for a smoke test. docs/BENCHMARKS.md §35 and §36 have the
+numbers.
 """
 
 from __future__ import annotations
@@ -32,14 +35,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMS = ("f32", "f32_t", "int8_dot", "int8_reduce", "int8_reduce_major", "s8s8", "bf16")
+from jaxserve.pallas_kernels import cpu_native
+
+FORMS = ("f32", "f32_t", "int8_dot", "int8_reduce", "int8_reduce_major", "s8s8", "bf16", "native")
 LAYER_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # SmolLM2-135M: qkv, o, gate-up, down
-_BYTES = {"f32": 4, "f32_t": 4, "bf16": 2}  # int8 forms: 1 (scales not counted: N floats a product)
+_BYTES = {"f32": 4, "f32_t": 4, "bf16": 2, "native": 4}  # int8 forms: 1 (scales not counted: N floats a product)
 
 
 def _store(w: np.ndarray, form: str):
     """The weight as the form keeps it: (array, per-column scale or None)."""
-    if form == "f32":
+    if form in ("f32", "native"):
         return jnp.asarray(w), None
     if form == "f32_t":
         return jnp.asarray(w.T.copy()), None
@@ -56,6 +61,8 @@ def _product(form: str, x: jax.Array, w: jax.Array, scale) -> jax.Array:  # x [1
         return jnp.dot(x, w, precision=hi)
     if form == "f32_t":
         return jnp.dot(w, x[0], precision=hi)[None]
+    if form == "native":
+        return cpu_native.matvec(x, w)
     if form == "bf16":
         return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
     if form == "int8_dot":
@@ -123,15 +130,18 @@ def product_rows(shapes, forms, layers: int, rounds: int, seed: int = 0) -> list
 
 
 def layer_rows(layer_forms, layers: int, rounds: int, shapes=LAYER_SHAPES, seed: int = 0) -> list[dict]:
-    """30 layers of the four products, each stored [in, out] (N) or [out, in] (T)."""
+    """30 layers of the four products, each stored [in, out] (N), [out, in] (T), or [in, out] through the native
+    kernel (G)."""
     rng = np.random.default_rng(seed)
     d, f = shapes[0][0], shapes[3][0]  # hidden and intermediate widths
     weights = [[rng.standard_normal(s, dtype=np.float32) * 0.03 for s in shapes] for _ in range(layers)]
 
     def chain(forms):
-        stored = [[jnp.asarray(w if c == "N" else w.T.copy()) for w, c in zip(ws, forms)] for ws in weights]
+        stored = [[jnp.asarray(w.T.copy() if c == "T" else w) for w, c in zip(ws, forms)] for ws in weights]
 
         def prod(x, w, c):
+            if c == "G":
+                return cpu_native.matvec(x, w)
             return jnp.dot(x, w) if c == "N" else jnp.dot(w, x[0])[None]
 
         @jax.jit
@@ -165,20 +175,23 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxserve.bench.cpu_gemv_forms", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="576x3072,576x960,576x576,1536x576", help="KxN products, comma-separated")
-    p.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated, of: {', '.join(FORMS)}")
-    p.add_argument("--layer-forms", default="", help="also time whole layers, e.g. NNNN,TNNT (N: x @ W, T: W @ x)")
+    p.add_argument("--forms", default=None, help=f"comma-separated, of: {', '.join(FORMS)} (default: all; native "
+                   "where jaxserve's C++ kernel builds)")
+    p.add_argument("--layer-forms", default="", help="also time whole layers, e.g. NNNN,GGGG (N: x @ W, T: W @ x, G: the native kernel)")
     p.add_argument("--layers", type=int, default=30, help="products (or layers) in each chain")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--quick", action="store_true", help="tiny widths and few rounds (smoke test)")
     ns = p.parse_args(argv)
-    forms = ns.forms.split(",")
+    forms = ns.forms.split(",") if ns.forms else [f for f in FORMS if f != "native" or cpu_native.loaded("gemv")]
     for form in forms:
         if form not in FORMS:
             p.error(f"--forms: unknown form {form!r}; known: {', '.join(FORMS)}")
     for lf in filter(None, ns.layer_forms.split(",")):
-        if len(lf) != 4 or set(lf) - {"N", "T"}:
-            p.error(f"--layer-forms: {lf!r} must be four letters N or T (qkv, o, gate-up, down), e.g. TNNT")
+        if len(lf) != 4 or set(lf) - {"N", "T", "G"}:
+            p.error(f"--layer-forms: {lf!r} must be four letters N, T or G (qkv, o, gate-up, down), e.g. TNNT")
+    if ("native" in forms or "G" in ns.layer_forms) and not cpu_native.loaded("gemv"):
+        p.error("the native form needs jaxserve's C++ kernel, which did not build here (see the warning above)")
     shapes, layers, rounds = _shapes(ns.shapes), ns.layers, ns.rounds
     layer_shapes = LAYER_SHAPES
     if ns.quick:

@@ -1,6 +1,7 @@
-"""One-row float32 products by the CPU's native kernel (cpu_native.matvec / matvec_t, cpu_gemv.cc): equal to the
-plain product, taken by a single-stream decode step on one device, and never traced under TP or outside a step
-that allows it. Greedy tokens stay equal to HF transformers."""
+"""One-row products by the CPU's native kernel (cpu_native.matvec / matvec_t, cpu_gemv.cc), float32 and bf16:
+equal to the plain product, taken by a single-stream decode step on one device, and never traced under TP or
+outside a step that allows it. Greedy tokens stay equal to HF transformers (float32) and to the plain bf16
+program (bf16)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from jaxserve.pallas_kernels import cpu_native
 pytestmark = pytest.mark.skipif(not cpu_native.loaded("gemv"), reason="no C++ compiler to build the kernel")
 
 
-@pytest.mark.parametrize("k,n", [(576, 3072), (1536, 576), (64, 49152), (7, 5), (3, 1), (2048, 2048)])
+@pytest.mark.parametrize("k,n", [(576, 3072), (1536, 576), (64, 49152), (7, 5), (3, 1), (2048, 2048), (37, 100)])
 def test_matvec_equals_the_product(k, n):
-    """Shapes that split over threads (several slices, a remainder of rows) and ones too small to split."""
+    """Shapes that split over threads (several slices, a remainder of rows), ones too small to split, and ones
+    whose rows end part-way through a cache line (the vector loops' tails)."""
     rng = np.random.default_rng(k + n)
     x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
@@ -31,6 +33,25 @@ def test_matvec_equals_the_product(k, n):
     got_t = np.asarray(jax.jit(cpu_native.matvec_t)(table, x))
     np.testing.assert_allclose(got_t, np.asarray(x, np.float64) @ np.asarray(table, np.float64).T, rtol=1e-5,
                                atol=1e-5 * np.sqrt(k))  # fmt: skip
+
+
+@pytest.mark.parametrize("k,n", [(576, 3072), (1536, 576), (7, 5), (37, 100), (130, 1000)])
+def test_bf16_matvec_sums_in_float32(k, n):
+    """bf16 operands, widened exactly and summed in float32: the float64 product of the same bf16 values."""
+    rng = np.random.default_rng(k * n)
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    got = jax.jit(cpu_native.matvec)(x, w)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), x64 @ w64, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    table = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
+    got_t = np.asarray(jax.jit(cpu_native.matvec_t)(table, x))
+    np.testing.assert_allclose(got_t, x64 @ np.asarray(table, np.float64).T, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    with cpu_native.products(True):  # a bf16 projection: the kernel's float32 sums rounded once to bf16
+        y = jax.jit(lambda a, b: cpu_bf16.matmul(a, b, None, jnp.bfloat16))(x, w)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(got.astype(jnp.bfloat16)))
 
 
 def test_matvec_keeps_the_output_axes():
@@ -44,7 +65,8 @@ def test_matvec_keeps_the_output_axes():
 
 
 def test_only_where_a_step_allows_it():
-    """Outside ``products(True)``, and for more than one row or another dtype, the plain product is traced."""
+    """Outside ``products(True)``, and for more than one row, mixed dtypes or float16, the plain product is
+    traced."""
     x1, x2 = jnp.ones((1, 8), jnp.float32), jnp.ones((2, 8), jnp.float32)
     w = jnp.ones((8, 4), jnp.float32)
 
@@ -55,7 +77,9 @@ def test_only_where_a_step_allows_it():
     assert "jaxserve_cpu_gemv" in traced(x1, w, True)
     assert "jaxserve_cpu_gemv" not in traced(x1, w, False)
     assert "jaxserve_cpu_gemv" not in traced(x2, w, True)
-    assert "jaxserve_cpu_gemv" not in traced(x1.astype(jnp.bfloat16), w.astype(jnp.bfloat16), True)
+    assert "jaxserve_cpu_gemv_bf16" in traced(x1.astype(jnp.bfloat16), w.astype(jnp.bfloat16), True)
+    assert "jaxserve_cpu_gemv" not in traced(x1.astype(jnp.float16), w.astype(jnp.float16), True)
+    assert "jaxserve_cpu_gemv" not in traced(x1, w.astype(jnp.bfloat16), True)
 
 
 def _count_calls(monkeypatch) -> dict:
@@ -84,6 +108,27 @@ def test_single_stream_uses_the_kernel_and_matches_hf(variant, monkeypatch):
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
         assert out == hf_greedy(path, prompt, 10), f"prompt of {n} tokens"
     assert calls["matvec"] > 0
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "llama_mha_tied"])
+def test_bf16_single_stream_takes_the_kernel(variant, monkeypatch):
+    """A bf16 model's one-row steps read its bf16 weights in the kernel; the greedy tokens are those of the plain
+    bf16 program (XLA's two-row form), which sums in float32 too."""
+    path = checkpoint(variant)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = [{"prompt_token_ids": np.random.default_rng(n).integers(2, 500, size=n).tolist()} for n in (3, 30)]
+
+    def run():
+        llm = LLM(path, **small_engine_kwargs(dtype="bfloat16"))
+        return [o.outputs[0].token_ids for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
+
+    plain_use = cpu_native.use_matvec
+    monkeypatch.setattr(cpu_native, "use_matvec", lambda *a: False)
+    plain = run()
+    monkeypatch.setattr(cpu_native, "use_matvec", plain_use)
+    calls = _count_calls(monkeypatch)
+    assert run() == plain
+    assert calls["matvec"] > 0 and (calls["matvec_t"] > 0) == (variant == "llama_mha_tied")
 
 
 def test_not_under_tensor_parallelism(monkeypatch):

@@ -118,6 +118,19 @@ def test_switched_off_by_the_environment(monkeypatch):
         cpu_native.available.cache_clear()
 
 
+def test_switch_names_kernels(monkeypatch):
+    """A comma list keeps the kernels it names; a name that is no kernel says which names would work."""
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "attention")
+    assert cpu_native.enabled("attention") and not cpu_native.enabled("gemv") and cpu_native.enabled()
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "gemv, attention")
+    assert cpu_native.enabled("attention") and cpu_native.enabled("gemv")
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "1")
+    assert cpu_native.enabled("gemv")
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "gemm")
+    with pytest.raises(ValueError, match=r"'gemm'.*\['attention', 'gemv'\]"):
+        cpu_native.enabled("gemv")
+
+
 def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     cpu_native.available.cache_clear()
