@@ -3,8 +3,8 @@
 // A decode step of one sequence multiplies one row by every weight matrix: it reads the weights once and does
 // almost no arithmetic, so its speed is the rate at which the cores stream the weights from memory. XLA:CPU's
 // one-row products reached 9-17 GB/s on a 2-core Xeon, where two cores streaming halves of a weight read 21-25
-// GB/s (docs/BENCHMARKS.md §36). These kernels split each weight into contiguous slices, one per task on XLA's
-// own intra-op thread pool, and add the partial results.
+// GB/s (docs/BENCHMARKS.md §36). These kernels split each weight into contiguous slices, one per thread (as many
+// threads as XLA's intra-op pool has: the caller and helpers of the kernel's own), and add the partial results.
 //
 // - gemv:   x [K] times w [K, N] (row-major: each task reads whole rows) -> y [N] float32.
 // - gemv_t: w [N, K] times x [K] -> y [N] float32 (the tied output head, an embedding table [V, E]): each task
@@ -13,15 +13,19 @@
 // Each comes in float32 and in bfloat16 (x and w bf16, widened to float32 as they are read, float32 sums): a
 // bf16 model streams half the bytes, and XLA:CPU has no fast one-row bf16 product at all (models/cpu_bf16.py).
 //
-// Work is claimed from an atomic counter by the calling thread and by the pooled tasks alike, so the call
-// finishes even if the pool never runs a task; state the tasks share lives in a shared_ptr, since a task that
-// starts late may run after the call has returned.
+// Work is claimed from an atomic counter by the calling thread and the helpers alike, so the call finishes even
+// if no helper comes. When two calls run at once, the second uses XLA's pool instead; the state its tasks share
+// lives in a shared_ptr, since a task that starts late may run after the call has returned.
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -49,10 +53,102 @@ struct Shared {
   std::atomic<int64_t> finished{0};
 };
 
-// Runs ``work(i)`` for i in [0, parts) on the calling thread and up to threads - 1 pool tasks, each claiming parts
-// until none is left; returns when all ran. A pool thread that wakes late still finds parts to take.
+// How long a helper spins after a call before it sleeps: longer than the gaps between one step's products (a few
+// to ~60 us), shorter than the host's work between steps.
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+// Helper threads of the kernels' own. A product lasts 40-400 us, and handing a slice to a task of XLA's pool cost a
+// good part of that (the pool's thread is woken for each call); these helpers spin for a while after each call,
+// so the next product of the same step finds them awake, and then sleep until a call wakes them. The calling
+// thread claims slices too, so a call finishes even if no helper ever comes (e.g. in a forked child).
+class Crew {
+ public:
+  explicit Crew(int helpers) : helpers_(helpers) {
+    for (int t = 0; t < helpers; ++t) std::thread([this] { Serve(); }).detach();
+  }
+  int helpers() const { return helpers_; }
+
+  // Runs fn(ctx, i) for i in [0, parts) on the calling thread and the helpers; false (nothing run) if another
+  // call holds the crew.
+  bool Run(int64_t parts, void (*fn)(const void*, int64_t), const void* ctx) {
+    std::unique_lock<std::mutex> owner(busy_, std::try_to_lock);
+    if (!owner.owns_lock()) return false;
+    fn_ = fn;
+    ctx_ = ctx;
+    finished_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = ++gen_;
+    ticket_.store(gen << 32 | static_cast<uint64_t>(parts) << 16);  // generation | parts | next part
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(sleep_);
+      wake_.notify_all();
+    }
+    Work(gen);
+    while (finished_.load(std::memory_order_acquire) < parts) cpu_relax();
+    return true;
+  }
+
+ private:
+  // Claims parts of call ``gen`` until none is left; a helper that comes late finds the generation changed.
+  void Work(uint64_t gen) {
+    uint64_t t = ticket_.load();
+    while (t >> 32 == gen && (t & 0xffff) < ((t >> 16) & 0xffff)) {
+      if (ticket_.compare_exchange_weak(t, t + 1)) {
+        fn_(ctx_, static_cast<int64_t>(t & 0xffff));
+        finished_.fetch_add(1, std::memory_order_release);
+        t = ticket_.load();
+      }
+    }
+  }
+
+  void Serve() {
+    uint64_t seen = 0;
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      uint64_t t;
+      for (int n = 1; (t = ticket_.load()) >> 32 == seen; ++n) {
+        if (n % 64 == 0 && std::chrono::steady_clock::now() > until) {
+          std::unique_lock<std::mutex> lock(sleep_);
+          sleepers_.fetch_add(1);
+          wake_.wait(lock, [&] { return ticket_.load() >> 32 != seen; });
+          sleepers_.fetch_sub(1);
+        }
+        cpu_relax();
+      }
+      seen = t >> 32;
+      Work(seen);
+    }
+  }
+
+  const int helpers_;
+  std::mutex busy_;  // one call at a time
+  uint64_t gen_ = 0;
+  void (*fn_)(const void*, int64_t) = nullptr;
+  const void* ctx_ = nullptr;
+  // The call's generation (high 32 bits), its number of parts and the next part to claim (16 bits each): one word,
+  // so a helper's claim fails once a newer call has begun.
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int64_t> finished_{0};
+  std::atomic<int> sleepers_{0};
+  std::mutex sleep_;
+  std::condition_variable wake_;
+};
+
+Crew& crew(int helpers) {
+  static Crew* c = new Crew(helpers);  // never destroyed: detached helpers may still be waiting at exit
+  return *c;
+}
+
+template <typename Work>
+void call_work(const void* ctx, int64_t i) {
+  (*static_cast<const Work*>(ctx))(i);
+}
+
+// Runs ``work(i)`` for i in [0, parts) on the calling thread and the crew (sized by XLA's pool on first use); if
+// another call holds the crew, on up to threads - 1 tasks of XLA's pool instead, each claiming parts until none is
+// left. Returns when all ran.
 template <typename Work>
 void parallel_for(ffi::ThreadPool& pool, int64_t parts, Work work) {
+  if (crew(std::max<int64_t>(1, pool.num_threads()) - 1).Run(parts, &call_work<Work>, &work)) return;
   auto shared = std::make_shared<Shared>();
   auto run = [shared, parts, work]() {
     for (int64_t i; (i = shared->next.fetch_add(1)) < parts;) {

@@ -142,3 +142,29 @@ def test_not_under_tensor_parallelism(monkeypatch):
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 6)
     assert calls == {"matvec": 0, "matvec_t": 0}
+
+
+def test_calls_at_once_from_two_threads():
+    """The kernel's helper threads serve one call at a time; a second call meanwhile takes XLA's pool. Both stay
+    exact."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    ws = [jnp.asarray(rng.standard_normal((576, 3072)), jnp.float32) for _ in range(2)]
+    xs = [jnp.asarray(rng.standard_normal((1, 576)), jnp.float32) for _ in range(2)]
+    f = jax.jit(cpu_native.matvec)
+    wants = [np.asarray(f(x, w)) for x, w in zip(xs, ws)]
+    errors = []
+
+    def hammer(i):
+        for _ in range(40):
+            got = np.asarray(f(xs[i], ws[i]))
+            if not np.array_equal(got, wants[i]):
+                errors.append(i)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
