@@ -9,14 +9,19 @@
 // Shapes (heads-major cache, kv_layout.py): q [S, K, G, D] float32; k_pages, v_pages [N, K, P, D] float32 or
 // bfloat16 (or bfloat16 bits in uint16, as fp8.storage_dtype keeps a bf16 cache on the CPU); block_tables [S, B] int32; seq_lens [S] int32 (0: a padding row, whose output is zeros).
 // Attributes: scale (float), window (int32: a sliding window in tokens, or -1 for none).
+// A call that reads more than a few hundred KB of K and V is split over the cores (cpu_threads.h) in parts of about
+// equal context: at 48 sequences of ~150 tokens that took a decode step's attention from ~1.3 to ~0.6-0.9 ms a layer
+// on two cores (docs/BENCHMARKS.md §37).
 // Output [S, K, G, D] float32. Built and registered by cpu_native.py; the pure-jnp route 1 is its reference.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
+#include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -111,43 +116,88 @@ void one_head(const float* qs, const T* k_head, const T* v_head, const int32_t* 
   }
 }
 
+// Calls that read less K and V than this run on the calling thread alone: waking a task of the pool costs more.
+constexpr int64_t kMinParallelBytes = 256 * 1024;
+
+// One call: its operands and the (sequence, KV head) items it computes; item i is sequence i / K, head i % K.
 template <typename T>
-void decode_attention(const float* q, const T* k_pages, const T* v_pages, const int32_t* tables,
-                      const int32_t* lens, float* out, int64_t num_seqs, int64_t kv_heads, int64_t group,
-                      int64_t page, int64_t dim, int64_t blocks, float scale, int32_t window) {
-  thread_local std::vector<float> scores;  // [G, C] of one (sequence, KV head)
-  std::vector<float> qs(group * dim), acc(group * dim);
-  const int64_t page_stride = kv_heads * page * dim;  // one block of the cache, all heads
-  for (int64_t s = 0; s < num_seqs; ++s) {
+struct DecodeCall {
+  const float* q;
+  const T* k_pages;
+  const T* v_pages;
+  const int32_t* tables;
+  const int32_t* lens;
+  float* out;
+  int64_t num_seqs, kv_heads, group, page, dim, blocks;
+  float scale;
+  int32_t window;
+
+  // Context positions [start, len) that sequence s attends to.
+  std::pair<int64_t, int64_t> span(int64_t s) const {
     const int64_t len = std::min<int64_t>(lens[s], blocks * page);
-    const int64_t start = window >= 0 ? std::max<int64_t>(0, len - window) : 0;
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      float* o = out + ((s * kv_heads + kh) * group) * dim;
-      if (len - start <= 0) {  // a padding row
-        std::fill(o, o + group * dim, 0.0f);
-        continue;
-      }
-      const float* qh = q + ((s * kv_heads + kh) * group) * dim;
-      for (int64_t i = 0; i < group * dim; ++i) qs[i] = qh[i] * scale;
-      if (scores.size() < static_cast<size_t>(group * (len - start))) scores.resize(group * (len - start));
-      const T* k_head = k_pages + kh * page * dim;
-      const T* v_head = v_pages + kh * page * dim;
-      const int32_t* table = tables + s * blocks;
-      if (dim == 64) {
-        one_head<64>(qs.data(), k_head, v_head, table, page_stride, page, dim, group, start, len, scores.data(),
-                     acc.data(), o);
-      } else if (dim == 128) {
-        one_head<128>(qs.data(), k_head, v_head, table, page_stride, page, dim, group, start, len, scores.data(),
-                      acc.data(), o);
-      } else {
-        one_head<0>(qs.data(), k_head, v_head, table, page_stride, page, dim, group, start, len, scores.data(),
+    return {window >= 0 ? std::max<int64_t>(0, len - window) : 0, len};
+  }
+
+  void item(int64_t i) const {
+    thread_local std::vector<float> qs, acc, scores;  // [G, D], [G, D], [G, C]: each thread its own
+    const int64_t s = i / kv_heads, kh = i % kv_heads;
+    const auto [start, len] = span(s);
+    float* o = out + i * group * dim;
+    if (len - start <= 0) {  // a padding row
+      std::fill(o, o + group * dim, 0.0f);
+      return;
+    }
+    qs.resize(group * dim);
+    acc.resize(group * dim);
+    const float* qh = q + i * group * dim;
+    for (int64_t j = 0; j < group * dim; ++j) qs[j] = qh[j] * scale;
+    if (scores.size() < static_cast<size_t>(group * (len - start))) scores.resize(group * (len - start));
+    const int64_t page_stride = kv_heads * page * dim;  // one block of the cache, all heads
+    const T* k_head = k_pages + kh * page * dim;
+    const T* v_head = v_pages + kh * page * dim;
+    const int32_t* table = tables + s * blocks;
+    if (dim == 64) {
+      one_head<64>(qs.data(), k_head, v_head, table, page_stride, page, dim, group, start, len, scores.data(),
+                   acc.data(), o);
+    } else if (dim == 128) {
+      one_head<128>(qs.data(), k_head, v_head, table, page_stride, page, dim, group, start, len, scores.data(),
                     acc.data(), o);
-      }
+    } else {
+      one_head<0>(qs.data(), k_head, v_head, table, page_stride, page, dim, group, start, len, scores.data(),
+                  acc.data(), o);
     }
   }
-}
 
-ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+  // Runs every item: on the calling thread for a small call, else split over XLA's pool in parts of about equal
+  // context (a decode step's sequences differ in length, and padding rows come last and cost nothing).
+  void run(ffi::ThreadPool& pool) const {
+    const int64_t items = num_seqs * kv_heads;
+    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+    std::vector<int64_t> cost(items + 1, 0);  // cost[i]: context positions of items before i, plus a little each
+    for (int64_t i = 0; i < items; ++i) {
+      const auto [start, len] = span(i / kv_heads);
+      cost[i + 1] = cost[i] + std::max<int64_t>(0, len - start) + 8;
+    }
+    const int64_t bytes = (cost[items] - 8 * items) * dim * 2 * static_cast<int64_t>(sizeof(T));
+    const int64_t parts = std::min<int64_t>(items, 4 * threads);  // a few per thread: claimed as they finish
+    if (threads == 1 || parts < 2 || bytes < kMinParallelBytes) {
+      for (int64_t i = 0; i < items; ++i) item(i);
+      return;
+    }
+    std::vector<int64_t> bounds(parts + 1, items);  // part p: items [bounds[p], bounds[p + 1])
+    bounds[0] = 0;
+    for (int64_t p = 1, i = 0; p < parts; ++p) {
+      while (i < items && cost[i] * parts < cost[items] * p) ++i;
+      bounds[p] = i;
+    }
+    const int64_t* b = bounds.data();
+    jaxserve_cpu::parallel_for(pool, parts, [this, b](int64_t p) {
+      for (int64_t i = b[p]; i < b[p + 1]; ++i) item(i);
+    });
+  }
+};
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                                ffi::ResultBuffer<ffi::F32> out, float scale, int32_t window) {
   const auto qd = q.dimensions();
@@ -164,15 +214,17 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, 
   const int32_t* lens = seq_lens.typed_data();
   switch (k_pages.element_type()) {
     case ffi::F32:
-      decode_attention(q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
-                       static_cast<const float*>(v_pages.untyped_data()), tables, lens, out->typed_data(), num_seqs,
-                       kv_heads, group, page, dim, blocks, scale, window);
+      DecodeCall<float>{q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
+                        static_cast<const float*>(v_pages.untyped_data()), tables, lens, out->typed_data(), num_seqs,
+                        kv_heads, group, page, dim, blocks, scale, window}
+          .run(pool);
       return ffi::Error::Success();
     case ffi::BF16:
     case ffi::U16:  // bfloat16 bits: how a CPU gather backend stores a bf16 cache (fp8.storage_dtype)
-      decode_attention(q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
-                       static_cast<const uint16_t*>(v_pages.untyped_data()), tables, lens, out->typed_data(),
-                       num_seqs, kv_heads, group, page, dim, blocks, scale, window);
+      DecodeCall<uint16_t>{q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
+                           static_cast<const uint16_t*>(v_pages.untyped_data()), tables, lens, out->typed_data(),
+                           num_seqs, kv_heads, group, page, dim, blocks, scale, window}
+          .run(pool);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("cpu_decode_attention: pages must be float32 or bfloat16 (or its bits)");
@@ -183,6 +235,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -7,9 +7,9 @@ that one job by hand; the jnp code they replace stays, as their reference and as
 Building: the first process that needs a kernel compiles it with the system's C++ compiler (``$CXX`` or ``g++``,
 ~10 s) against the XLA FFI headers that jaxlib ships, for this machine's CPU (``-march=native``), and keeps the
 shared library under the cache directory (``$JAXSERVE_CACHE_DIR/..`` or ``~/.cache/jaxserve``), named by a hash
-of the source, the compiler, jaxlib and the CPU, so that later starts load it at once. No compiler, or a build
-that fails: a warning, and the jnp path serves instead. ``JAXSERVE_CPU_KERNELS=0`` turns the kernels off;
-``JAXSERVE_CPU_KERNELS=attention`` (a comma list) keeps only those named.
+of the source and the headers beside it, the compiler, jaxlib and the CPU, so that later starts load it at once.
+No compiler, or a build that fails: a warning, and the jnp path serves instead. ``JAXSERVE_CPU_KERNELS=0`` turns
+the kernels off; ``JAXSERVE_CPU_KERNELS=attention`` (a comma list) keeps only those named.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import ctypes
 import functools
+import glob
 import math
 import hashlib
 import logging
@@ -31,12 +32,14 @@ import numpy as np
 logger = logging.getLogger("jaxserve")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# Each kernel: its source file and the FFI targets it defines (target name -> exported handler symbol).
+# The C++ sources, built together into one shared library: its helper threads (cpu_threads.h) then serve every
+# kernel, rather than one crew per library spinning beside the other.
+_SOURCES = ("cpu_decode_attention.cc", "cpu_gemv.cc")
+# Each kernel: the FFI targets it defines (target name -> exported handler symbol).
 _KERNELS = {
-    "attention": ("cpu_decode_attention.cc", {"jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention"}),
-    "gemv": ("cpu_gemv.cc", {"jaxserve_cpu_gemv": "JaxserveCpuGemv", "jaxserve_cpu_gemv_t": "JaxserveCpuGemvT",
-                             "jaxserve_cpu_gemv_bf16": "JaxserveCpuGemvBf16",
-                             "jaxserve_cpu_gemv_t_bf16": "JaxserveCpuGemvTBf16"}),
+    "attention": {"jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention"},
+    "gemv": {"jaxserve_cpu_gemv": "JaxserveCpuGemv", "jaxserve_cpu_gemv_t": "JaxserveCpuGemvT",
+             "jaxserve_cpu_gemv_bf16": "JaxserveCpuGemvBf16", "jaxserve_cpu_gemv_t_bf16": "JaxserveCpuGemvTBf16"},
 }
 # Cache dtypes the kernel reads; others (fp8) take the jnp path. uint16 is a bf16 cache's bits (fp8.BF16_BITS:
 # how the CPU's gather backends store bf16).
@@ -79,25 +82,28 @@ def _cpu_identity() -> str:
         return platform.processor() + platform.machine()
 
 
-def _build(source_name: str, cxx: str, include_dir: str) -> str:
-    """The shared library for this source, compiler, jaxlib and CPU: loaded from the cache or compiled into it."""
+def _build(cxx: str, include_dir: str) -> str:
+    """The shared library of every source, for this compiler, jaxlib and CPU: loaded from the cache or compiled
+    into it."""
     import jaxlib
 
-    source_path = os.path.join(_HERE, source_name)
-    with open(source_path, "rb") as f:
-        source = f.read()
+    paths = [os.path.join(_HERE, name) for name in _SOURCES]
+    text = b""
+    for path in [*paths, *sorted(glob.glob(os.path.join(_HERE, "*.h")))]:  # the headers they include count too
+        with open(path, "rb") as f:
+            text += os.path.basename(path).encode() + b"\0" + f.read() + b"\0"
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
-        source, version, " ".join(_FLAGS), jaxlib.__version__, include_dir, _cpu_identity()))).hexdigest()[:24]
+        text, version, " ".join(_FLAGS), jaxlib.__version__, include_dir, _cpu_identity()))).hexdigest()[:24]
     root = _cache_root()
-    path = os.path.join(root, f"{os.path.splitext(source_name)[0]}-{key}.so")
+    path = os.path.join(root, f"cpu_kernels-{key}.so")
     if os.path.exists(path):
         return path
     os.makedirs(root, exist_ok=True)
-    logger.info("compiling jaxserve's CPU kernel %s (once per machine, a few seconds)", source_name)
+    logger.info("compiling jaxserve's CPU kernels (once per machine, a few seconds)")
     fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{include_dir}", source_path, "-o", tmp]
+    cmd = [cxx, *_FLAGS, f"-I{include_dir}", *paths, "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
@@ -118,16 +124,15 @@ def loaded(kernel: str) -> bool:
     if cxx is None:
         logger.warning("no C++ compiler found (g++, c++, clang++ or $CXX): the CPU uses its jnp path, slower")
         return False
-    source_name, targets = _KERNELS[kernel]
     try:
         import jax
 
-        lib = ctypes.cdll.LoadLibrary(_build(source_name, cxx, jax.ffi.include_dir()))
-        for target, symbol in targets.items():
+        lib = ctypes.cdll.LoadLibrary(_build(cxx, jax.ffi.include_dir()))
+        for target, symbol in _KERNELS[kernel].items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure leaves the jnp path, which is always correct
-        logger.warning("could not build jaxserve's CPU kernel %s (%s: %s); using the jnp path", source_name,
-                       type(e).__name__, e)  # fmt: skip
+        logger.warning("could not build jaxserve's CPU kernels (%s: %s); using the jnp path for %s",
+                       type(e).__name__, e, kernel)  # fmt: skip
         return False
     return True
 

@@ -27,12 +27,12 @@ def test_every_package_directory_is_listed_in_pyproject():
 
 
 def test_every_package_data_file_is_declared():
-    """Files other than Python that a package reads at run time (cpu_native.py's C++ source) ship only if
-    package-data names them."""
+    """Files other than Python that a package reads at run time (cpu_native.py's C++ sources and headers) ship
+    only if package-data names them."""
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     data = tool.get("package-data", {})
     for name, folder in tool["package-dir"].items():
-        for path in (ROOT / folder).glob("*.cc"):
+        for path in [*(ROOT / folder).glob("*.cc"), *(ROOT / folder).glob("*.h")]:
             assert any(path.match(pattern) for pattern in data.get(name, [])), (
                 f"{path.name} is not in [tool.setuptools.package-data] for {name}"
             )
