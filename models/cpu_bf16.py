@@ -12,7 +12,8 @@ dtype, which is also what the slow path computed. ``matmul`` is every projection
 and dtypes (``applies`` is False) it is the plain one, so GPU and TPU programs are unchanged. One row (float32 or
 bf16), in a step program that allows it, goes to the native one-row kernel instead (``cpu_native.matvec``): it
 reads a bf16 weight as bf16, with float32 sums, where the padded two-row form above converts nothing but still
-runs XLA:CPU's two-row GEMM.
+runs XLA:CPU's two-row GEMM. Float32 products of 2 to 64 rows go to the native few-row kernel
+(``cpu_native.gemm``), faster there than XLA:CPU's GEMM.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def matmul(x: jax.Array, kernel: jax.Array, precision, out_dtype=jnp.float32) ->
     out_dtype = jnp.dtype(out_dtype)
     if cpu_native.use_matvec(x, kernel):  # a single-stream decode on the CPU: float32 sums, rounded once
         return cpu_native.matvec(x, kernel).astype(out_dtype)
+    if cpu_native.use_gemm(x, kernel):  # a float32 decode step of a few dozen sequences on the CPU
+        return cpu_native.gemm(x, kernel).astype(out_dtype)
     if not applies(x.dtype):
         preferred = None if out_dtype == x.dtype else out_dtype
         return jax.lax.dot_general(x, kernel, dims, precision=precision, preferred_element_type=preferred)

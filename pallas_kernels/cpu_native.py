@@ -34,12 +34,13 @@ logger = logging.getLogger("jaxserve")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The C++ sources, built together into one shared library: its helper threads (cpu_threads.h) then serve every
 # kernel, rather than one crew per library spinning beside the other.
-_SOURCES = ("cpu_decode_attention.cc", "cpu_gemv.cc")
+_SOURCES = ("cpu_decode_attention.cc", "cpu_gemv.cc", "cpu_gemm.cc")
 # Each kernel: the FFI targets it defines (target name -> exported handler symbol).
 _KERNELS = {
     "attention": {"jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention"},
     "gemv": {"jaxserve_cpu_gemv": "JaxserveCpuGemv", "jaxserve_cpu_gemv_t": "JaxserveCpuGemvT",
              "jaxserve_cpu_gemv_bf16": "JaxserveCpuGemvBf16", "jaxserve_cpu_gemv_t_bf16": "JaxserveCpuGemvTBf16"},
+    "gemm": {"jaxserve_cpu_gemm": "JaxserveCpuGemm"},
 }
 # Cache dtypes the kernel reads; others (fp8) take the jnp path. uint16 is a bf16 cache's bits (fp8.BF16_BITS:
 # how the CPU's gather backends store bf16).
@@ -168,7 +169,7 @@ def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale: floa
     )
 
 
-# One-row products (cpu_gemv.cc). Only programs that run on one device may use them: XLA's partitioner cannot
+# Native products (cpu_gemv.cc: one row; cpu_gemm.cc: a few rows). Only programs that run on one device may use them: XLA's partitioner cannot
 # split a custom call, and under TP would gather every weight onto every device for it. The step program that
 # the runner compiles says so at trace time (``products``); everything else traces the plain product.
 _products = contextvars.ContextVar("jaxserve_cpu_native_products", default=False)
@@ -176,7 +177,7 @@ _products = contextvars.ContextVar("jaxserve_cpu_native_products", default=False
 
 @contextlib.contextmanager
 def products(allowed: bool):
-    """Within this block (a trace), one-row float32 products may take the native kernel (``matvec``)."""
+    """Within this block (a trace), products of a few rows may take the native kernels (``matvec``, ``gemm``)."""
     token = _products.set(bool(allowed))
     try:
         yield
@@ -195,6 +196,34 @@ def use_matvec(x, kernel) -> bool:
         _products.get() and x.ndim == 2 and x.shape[0] == 1 and x.dtype == kernel.dtype
         and str(x.dtype) in _MATVEC_SUFFIX and loaded("gemv")
     )  # fmt: skip
+
+
+# Rows up to which a float32 product takes the native few-row kernel (cpu_gemm.cc): from 2 to 64 rows it measured
+# 10-37% faster than XLA:CPU's GEMM; at 128 and more XLA:CPU's is as fast as this machine allows
+# (docs/BENCHMARKS.md §37).
+GEMM_MAX_ROWS = 64
+
+
+def use_gemm(x, kernel) -> bool:
+    """Whether ``x [M, K] @ kernel [K, ...]`` goes to the native few-row kernel: the trace allows native products,
+    2 <= M <= GEMM_MAX_ROWS, both operands float32, and the kernel is built."""
+    return (
+        _products.get() and x.ndim == 2 and 2 <= x.shape[0] <= GEMM_MAX_ROWS and x.dtype == kernel.dtype == "float32"
+        and loaded("gemm")
+    )  # fmt: skip
+
+
+def gemm(x, kernel):
+    """x [M, K] @ kernel [K, *out] -> [M, *out] float32 (float32 sums), on every core (cpu_gemm.cc)."""
+    import jax
+    import jax.numpy as jnp
+
+    out = kernel.shape[1:]
+    n = math.prod(out)
+    y = jax.ffi.ffi_call("jaxserve_cpu_gemm", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x, kernel.reshape(kernel.shape[0], n)
+    )
+    return y.reshape(x.shape[0], *out)
 
 
 def matvec(x, kernel):

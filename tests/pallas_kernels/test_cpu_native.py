@@ -150,7 +150,9 @@ def test_switch_names_kernels(monkeypatch):
     monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "1")
     assert cpu_native.enabled("gemv")
     monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "gemm")
-    with pytest.raises(ValueError, match=r"'gemm'.*\['attention', 'gemv'\]"):
+    assert cpu_native.enabled("gemm") and not cpu_native.enabled("attention")
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "matmul")
+    with pytest.raises(ValueError, match=r"'matmul'.*\['attention', 'gemm', 'gemv'\]"):
         cpu_native.enabled("gemv")
 
 
