@@ -52,7 +52,7 @@ struct PanelMasks {
 // to PREFETCH_ROWS ahead the panel's rows are prefetched: set when reading w in place from memory.
 template <int R, bool FULL>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, float* y, int64_t ldy, int64_t k,
-                 const PanelMasks& masks, int64_t prefetch_rows) {
+                 const PanelMasks& masks, int64_t prefetch_rows, float* copy_to) {
   __m512 acc[R][4];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -68,6 +68,10 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, f
     __m512 b[4];
 #pragma GCC unroll 4
     for (int v = 0; v < 4; ++v) b[v] = FULL ? _mm512_loadu_ps(p + 16 * v) : _mm512_maskz_loadu_ps(masks.m[v], p + 16 * v);
+    if (copy_to != nullptr) {
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(copy_to + kk * kPanel + 16 * v, b[v]);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + kk]);
@@ -90,10 +94,10 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, f
 // The tile for ``rows`` (1 to kTileRows) rows: the row count is a template argument, so each size is unrolled.
 template <bool FULL, int R = kTileRows>
 inline void tile_of(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t ldp, float* y,
-                    int64_t ldy, int64_t k, const PanelMasks& masks, int64_t prefetch_rows) {
+                    int64_t ldy, int64_t k, const PanelMasks& masks, int64_t prefetch_rows, float* copy_to) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, FULL>(x, ldx, panel, ldp, y, ldy, k, masks, prefetch_rows);
-    return tile_of<FULL, R - 1>(rows, x, ldx, panel, ldp, y, ldy, k, masks, prefetch_rows);
+    if (rows == R) return tile<R, FULL>(x, ldx, panel, ldp, y, ldy, k, masks, prefetch_rows, copy_to);
+    return tile_of<FULL, R - 1>(rows, x, ldx, panel, ldp, y, ldy, k, masks, prefetch_rows, copy_to);
   }
 }
 
@@ -104,31 +108,26 @@ void panel_product(const float* x, const float* w, float* y, int64_t m, int64_t 
   const bool full = width == kPanel;
   // Rows of w this far ahead are fetched while a pass works (~100 ns of memory latency at a few ns a row).
   constexpr int64_t kAhead = 16;
-  const float* panel = w + c;
-  int64_t ldp = n;
-  if (m > kMaxRowsUnpacked) {  // copy the panel into this thread's buffer, prefetching w's rows ahead
-    thread_local std::vector<float> packed;
-    if (packed.size() < static_cast<size_t>(k * kPanel)) packed.resize(k * kPanel);
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const float* src = w + kk * n + c;
-      float* dst = packed.data() + kk * kPanel;
-      const char* ahead = reinterpret_cast<const char*>(src + kAhead * n);
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        _mm_prefetch(ahead + 64 * v, _MM_HINT_T0);
-        _mm512_storeu_ps(dst + 16 * v, _mm512_maskz_loadu_ps(masks.m[v], src + 16 * v));
-      }
-    }
-    panel = packed.data();
-    ldp = kPanel;
+  // The first tile reads the panel in place, prefetching w's rows ahead (they lie n floats apart), and copies it
+  // into this thread's buffer as it goes; later tiles read the copy. Copying in a pass of its own first left the
+  // cores waiting on memory with nothing to compute.
+  float* packed = nullptr;
+  if (m > kMaxRowsUnpacked) {
+    thread_local std::vector<float> buffer;
+    if (buffer.size() < static_cast<size_t>(k * kPanel)) buffer.resize(k * kPanel);
+    packed = buffer.data();
   }
-  const int64_t prefetch_rows = ldp == n ? kAhead : 0;
   for (int64_t r = 0; r < m; r += kTileRows) {
     const int64_t rows = std::min<int64_t>(kTileRows, m - r);
+    const bool first = r == 0;
+    const float* panel = first ? w + c : packed;
+    const int64_t ldp = first ? n : kPanel;
+    float* copy_to = first ? packed : nullptr;
+    const int64_t ahead = first ? kAhead : 0;
     if (full) {
-      tile_of<true>(rows, x + r * k, k, panel, ldp, y + r * n + c, n, k, masks, prefetch_rows);
+      tile_of<true>(rows, x + r * k, k, panel, ldp, y + r * n + c, n, k, masks, ahead, copy_to);
     } else {
-      tile_of<false>(rows, x + r * k, k, panel, ldp, y + r * n + c, n, k, masks, prefetch_rows);
+      tile_of<false>(rows, x + r * k, k, panel, ldp, y + r * n + c, n, k, masks, ahead, copy_to);
     }
   }
 }
