@@ -1,18 +1,23 @@
-// Decode attention on the CPU that reads the paged cache in place: an XLA FFI custom call.
+// Paged attention on the CPU that reads the cache in place: an XLA FFI custom call.
 //
-// Each sequence's last query token attends over its own pages, read where they lie in the cache. The
+// Each query row (a token) attends over its own sequence's pages, read where they lie in the cache, up to its own
+// position: a decode step's last tokens, and in a mixed step every token, prompts' included (the pages already
+// hold this step's keys). The
 // jnp version (xla_attention.py, route 1) first gathers each sequence's pages into a [K, C, D] copy, and
 // with the pages cold behind a layer's weights that gather cost more than the products themselves:
 // 145 µs a layer for 393 KB of K and V (docs/BENCHMARKS.md §35). Here every K and V row is read once,
 // straight from its page, into a score buffer and an accumulator that stay in L1.
 //
-// Shapes (heads-major cache, kv_layout.py): q [S, K, G, D] float32; k_pages, v_pages [N, K, P, D] float32 or
-// bfloat16 (or bfloat16 bits in uint16, as fp8.storage_dtype keeps a bf16 cache on the CPU); block_tables [S, B] int32; seq_lens [S] int32 (0: a padding row, whose output is zeros).
+// Shapes (heads-major cache, kv_layout.py): q [R, K, G, D] float32; k_pages, v_pages [N, K, P, D] float32 or
+// bfloat16 (or bfloat16 bits in uint16, as fp8.storage_dtype keeps a bf16 cache on the CPU); block_tables [S, B]
+// int32; row_tables [R] int32 (the block table each row reads: its sequence); row_lens [R] int32 (the context
+// length it sees, its position + 1; 0, or a row_tables entry outside [0, S), marks a padding row: zeros out).
 // Attributes: scale (float), window (int32: a sliding window in tokens, or -1 for none).
 // A call that reads more than a few hundred KB of K and V is split over the cores (cpu_threads.h) in parts of about
 // equal context: at 48 sequences of ~150 tokens that took a decode step's attention from ~1.3 to ~0.6-0.9 ms a layer
 // on two cores (docs/BENCHMARKS.md §37).
-// Output [S, K, G, D] float32. Built and registered by cpu_native.py; the pure-jnp route 1 is its reference.
+// Output [R, K, G, D] float32. Built and registered by cpu_native.py; the pure-jnp routes of xla_attention.py are
+// its reference.
 
 #include <algorithm>
 #include <cmath>
@@ -119,29 +124,32 @@ void one_head(const float* qs, const T* k_head, const T* v_head, const int32_t* 
 // Calls that read less K and V than this run on the calling thread alone: waking a task of the pool costs more.
 constexpr int64_t kMinParallelBytes = 256 * 1024;
 
-// One call: its operands and the (sequence, KV head) items it computes; item i is sequence i / K, head i % K.
+// One call: its operands and the (row, KV head) items it computes; item i is row i / K, head i % K. A row is a
+// query token with the block table it reads (table_of) and the context length it sees (lens).
 template <typename T>
 struct DecodeCall {
   const float* q;
   const T* k_pages;
   const T* v_pages;
   const int32_t* tables;
+  const int32_t* table_of;
   const int32_t* lens;
   float* out;
-  int64_t num_seqs, kv_heads, group, page, dim, blocks;
+  int64_t rows, num_tables, kv_heads, group, page, dim, blocks;
   float scale;
   int32_t window;
 
-  // Context positions [start, len) that sequence s attends to.
-  std::pair<int64_t, int64_t> span(int64_t s) const {
-    const int64_t len = std::min<int64_t>(lens[s], blocks * page);
+  // Context positions [start, len) that row r attends to (none for a row naming no table: padding).
+  std::pair<int64_t, int64_t> span(int64_t r) const {
+    if (table_of[r] < 0 || table_of[r] >= num_tables) return {0, 0};
+    const int64_t len = std::min<int64_t>(lens[r], blocks * page);
     return {window >= 0 ? std::max<int64_t>(0, len - window) : 0, len};
   }
 
   void item(int64_t i) const {
     thread_local std::vector<float> qs, acc, scores;  // [G, D], [G, D], [G, C]: each thread its own
-    const int64_t s = i / kv_heads, kh = i % kv_heads;
-    const auto [start, len] = span(s);
+    const int64_t r = i / kv_heads, kh = i % kv_heads;
+    const auto [start, len] = span(r);
     float* o = out + i * group * dim;
     if (len - start <= 0) {  // a padding row
       std::fill(o, o + group * dim, 0.0f);
@@ -155,7 +163,7 @@ struct DecodeCall {
     const int64_t page_stride = kv_heads * page * dim;  // one block of the cache, all heads
     const T* k_head = k_pages + kh * page * dim;
     const T* v_head = v_pages + kh * page * dim;
-    const int32_t* table = tables + s * blocks;
+    const int32_t* table = tables + table_of[r] * blocks;
     if (dim == 64) {
       one_head<64>(qs.data(), k_head, v_head, table, page_stride, page, dim, group, start, len, scores.data(),
                    acc.data(), o);
@@ -168,10 +176,10 @@ struct DecodeCall {
     }
   }
 
-  // Runs every item: on the calling thread for a small call, else split over XLA's pool in parts of about equal
-  // context (a decode step's sequences differ in length, and padding rows come last and cost nothing).
+  // Runs every item: on the calling thread for a small call, else split over the cores in parts of about equal
+  // context (rows differ in length, and padding rows cost nothing).
   void run(ffi::ThreadPool& pool) const {
-    const int64_t items = num_seqs * kv_heads;
+    const int64_t items = rows * kv_heads;
     const int64_t threads = std::max<int64_t>(1, pool.num_threads());
     std::vector<int64_t> cost(items + 1, 0);  // cost[i]: context positions of items before i, plus a little each
     for (int64_t i = 0; i < items; ++i) {
@@ -197,33 +205,38 @@ struct DecodeCall {
   }
 };
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
+                               ffi::Buffer<ffi::S32> row_tables, ffi::Buffer<ffi::S32> row_lens,
                                ffi::ResultBuffer<ffi::F32> out, float scale, int32_t window) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || block_tables.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument("cpu_decode_attention: q and pages must be 4-D, block_tables 2-D");
   }
-  const int64_t num_seqs = qd[0], kv_heads = qd[1], group = qd[2], dim = qd[3];
-  const int64_t page = kd[2], blocks = block_tables.dimensions()[1];
+  const int64_t rows = qd[0], kv_heads = qd[1], group = qd[2], dim = qd[3];
+  const int64_t page = kd[2], num_tables = block_tables.dimensions()[0], blocks = block_tables.dimensions()[1];
   if (kd[1] != kv_heads || kd[3] != dim || group > 64 || k_pages.element_type() != v_pages.element_type()) {
-    return ffi::Error::InvalidArgument("cpu_decode_attention: q [S, K, G<=64, D] does not match pages [N, K, P, D]");
+    return ffi::Error::InvalidArgument("cpu_decode_attention: q [R, K, G<=64, D] does not match pages [N, K, P, D]");
+  }
+  if (row_tables.element_count() != rows || row_lens.element_count() != rows) {
+    return ffi::Error::InvalidArgument("cpu_decode_attention: row_tables and row_lens need one entry per row of q");
   }
   const int32_t* tables = block_tables.typed_data();
-  const int32_t* lens = seq_lens.typed_data();
+  const int32_t* table_of = row_tables.typed_data();
+  const int32_t* lens = row_lens.typed_data();
   switch (k_pages.element_type()) {
     case ffi::F32:
       DecodeCall<float>{q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
-                        static_cast<const float*>(v_pages.untyped_data()), tables, lens, out->typed_data(), num_seqs,
-                        kv_heads, group, page, dim, blocks, scale, window}
+                        static_cast<const float*>(v_pages.untyped_data()), tables, table_of, lens,
+                        out->typed_data(), rows, num_tables, kv_heads, group, page, dim, blocks, scale, window}
           .run(pool);
       return ffi::Error::Success();
     case ffi::BF16:
     case ffi::U16:  // bfloat16 bits: how a CPU gather backend stores a bf16 cache (fp8.storage_dtype)
       DecodeCall<uint16_t>{q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
-                           static_cast<const uint16_t*>(v_pages.untyped_data()), tables, lens, out->typed_data(),
-                           num_seqs, kv_heads, group, page, dim, blocks, scale, window}
+                           static_cast<const uint16_t*>(v_pages.untyped_data()), tables, table_of, lens,
+                           out->typed_data(), rows, num_tables, kv_heads, group, page, dim, blocks, scale, window}
           .run(pool);
       return ffi::Error::Success();
     default:
@@ -239,6 +252,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

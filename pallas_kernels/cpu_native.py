@@ -159,13 +159,30 @@ def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale: floa
     q [S, K, G, D] float32; pages [N, K, P, D] float32 or bfloat16 (heads-major); block_tables [S, B] and
     seq_lens [S] int32. Returns [S, K, G, D] float32. Call only where ``available()`` is True.
     """
+    import jax.numpy as jnp
+
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    return paged_attention(q, k_pages, v_pages, block_tables, rows, seq_lens, scale=scale,
+                           sliding_window=sliding_window)  # fmt: skip
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, row_tables, row_lens, *, scale: float,
+                    sliding_window: int | None):  # fmt: skip
+    """Each query row over the pages of the sequence it names, up to the length it sees (cpu_decode_attention.cc).
+
+    q [R, K, G, D] float32 (a row: a token's query heads, grouped by KV head); pages [N, K, P, D] float32 or
+    bfloat16 (heads-major); block_tables [S, B]; row_tables [R] (the row's sequence) and row_lens [R] (its position
+    + 1; 0 for a padding row, whose output is zeros) int32. Returns [R, K, G, D] float32. Call only where
+    ``available()`` is True.
+    """
     import jax
     import jax.numpy as jnp
 
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("jaxserve_cpu_decode_attention", out)(
-        q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
-        scale=np.float32(scale), window=np.int32(-1 if sliding_window is None else sliding_window),
+        q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32), row_tables.astype(jnp.int32),
+        row_lens.astype(jnp.int32), scale=np.float32(scale),
+        window=np.int32(-1 if sliding_window is None else sliding_window),
     )
 
 

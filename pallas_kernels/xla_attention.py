@@ -5,13 +5,15 @@ prompt tokens whose sequence has nothing cached yet, so that gather is almost al
 made the jnp path cost as much as the model itself on CPU. Here each token takes one of three routes:
 
 1. The **last token of every sequence** (all decodes, and each prompt chunk's final token) attends
-   over its sequence's pages, gathered once per sequence: S x C x K x D instead of T x C x K x D. On the CPU
-   a C++ kernel (``native``, cpu_native.py) does this route without the gathered copy.
+   over its sequence's pages, gathered once per sequence: S x C x K x D instead of T x C x K x D.
 2. **Other tokens** (inside prompt chunks) attend to this step's keys directly (a dense T x T product,
    masked to the same sequence and causally), with no gather at all...
 3. ...plus, only for the few multi-token sequences that already have cached context (later prefill
    chunks, prefix-cache hits), that cached part, one sequence per loop iteration; partial softmax
    results are merged with the usual log-sum-exp rule.
+
+On the CPU a C++ kernel (``native``, cpu_native.py) replaces all three: every token attends over its own
+sequence's pages, read in place up to its position, with no gathered copy and no masked score matrices.
 
 Same inputs and outputs as the reference, which stays the ground truth (tests compare the two), except for the
 cache's layout: this backend's pages are heads-major, ``[N, K, P, D]`` (kv_layout.py says why), so a sequence's
@@ -58,7 +60,7 @@ def ragged_paged_attention_xla(
     precision: jax.lax.Precision | None = None,  # of every product; None: from q's dtype (precision.resolve)
     k_scale=1.0,  # fp8 caches (fp8.py): stored values times these are the keys and values
     v_scale=1.0,
-    native: bool = False,  # route 1 by the C++ kernel (cpu_native.py) where it reads the cache's dtype
+    native: bool = False,  # the C++ kernel (cpu_native.py) instead of the routes, where it reads the cache's dtype
 ) -> jax.Array:  # [T, H, D]
     t, h, d = q.shape
     precision = prec.resolve(precision, q.dtype)
@@ -79,6 +81,15 @@ def ragged_paged_attention_xla(
     num_cached = md.seq_lens - q_lens  # [S] context before this step's tokens
     seq_of, pos = md.token_seq_ids, md.positions  # [T]
     real_tok = jnp.arange(t, dtype=jnp.int32) < md.query_start_loc[-1]  # [T] padding tokens are False
+    if native and cpu_native.reads(k_pages.dtype):
+        # The C++ kernel: every token over its own sequence's pages up to its position, read in place (the pages
+        # already hold this step's keys). That is routes 1-3 below at once, with no gathered copy and no [T, T]
+        # or [T, C] score matrices of which a mixed step needs only the diagonal blocks.
+        out = cpu_native.paged_attention(
+            qg, k_pages, v_pages, md.block_tables, seq_of, jnp.where(real_tok, pos + 1, 0), scale=scale,
+            sliding_window=sliding_window,
+        )
+        return out.reshape(t, h, d).astype(q.dtype)
     ctx_pos = jnp.arange(c, dtype=jnp.int32)  # [C]
 
     # 1. Each sequence's last token over its pages (exactly the reference, on S rows), in chunks of
@@ -107,12 +118,7 @@ def ragged_paged_attention_xla(
 
     zeros_last = jnp.zeros((s, kh, g, d), f32)
     one_token = md.decode_only and md.decode_query_len == 1  # every token is its sequence's last
-    if native and cpu_native.reads(k_pages.dtype):
-        # The same rows, each sequence's pages read where they lie: no gathered copy (padding rows give zeros).
-        out_last = cpu_native.decode_attention(
-            q_last, k_pages, v_pages, md.block_tables, md.seq_lens, scale=scale, sliding_window=sliding_window
-        )
-    elif one_token and ch == s:  # one chunk: no loop (XLA:CPU pays for a while loop per layer)
+    if one_token and ch == s:  # one chunk: no loop (XLA:CPU pays for a while loop per layer)
         out_last = last_tokens(0, zeros_last)  # [S, K, G, D]
     else:
         num_chunks = ((md.seq_lens > 0).sum() + ch - 1) // ch  # real sequences come first
@@ -177,7 +183,7 @@ def paged_attention_xla(
     precision: jax.lax.Precision | None = None,
     k_scale=1.0,  # fp8 caches only (fp8.py)
     v_scale=1.0,
-    native: bool = False,  # each sequence's last token by the C++ kernel (cpu_native.py); CPU only
+    native: bool = False,  # every token by the C++ kernel (cpu_native.py); CPU only
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The 'xla' backend: write this step's KV, then attend. Returns (out[T,H,D], k_pages, v_pages).
 

@@ -19,7 +19,7 @@ from jaxserve.pallas_kernels.xla_attention import paged_attention_xla
 TOL = {jnp.bfloat16: 2e-2, jnp.float32: 1e-5}  # relative (Frobenius) error, as for the Pallas kernels
 
 
-# Route 1 in jnp, and by the C++ kernel (cpu_native.py) where this machine can build it.
+# The jnp routes, and the C++ kernel that replaces them (cpu_native.py) where this machine can build it.
 NATIVE = [False, pytest.param(True, marks=pytest.mark.skipif(not cpu_native.available(), reason="no C++ kernel"))]
 
 
