@@ -14,8 +14,8 @@
 // length it sees, its position + 1; 0, or a row_tables entry outside [0, S), marks a padding row: zeros out).
 // Attributes: scale (float), window (int32: a sliding window in tokens, or -1 for none).
 // A call that reads more than a few hundred KB of K and V is split over the cores (cpu_threads.h) in parts of about
-// equal context: at 48 sequences of ~150 tokens that took a decode step's attention from ~1.3 to ~0.6-0.9 ms a layer
-// on two cores (docs/BENCHMARKS.md §37).
+// equal context: decode steps of 16-48 sequences ran 7-10% faster for it on two cores, and taking every token of a
+// mixed step here (not only the last ones) made those steps 27% faster (docs/BENCHMARKS.md §37).
 // Output [R, K, G, D] float32. Built and registered by cpu_native.py; the pure-jnp routes of xla_attention.py are
 // its reference.
 

@@ -12,8 +12,10 @@
 //   panel prefetched during the current one's tiles, measured no faster.)
 // - A panel's columns are copied ("packed") into a contiguous [K, 64] buffer that stays in the core's L2 cache:
 //   the rows of a panel lie N floats apart in w, and every group of rows would read them strided from memory
-//   again otherwise (a 64-row product ran at ~60 GF/s a core unpacked, ~90 packed). Up to kMaxRowsUnpacked rows
-//   read w in place: one pass, no copy to pay for.
+//   again otherwise (a 64-row product ran at ~60 GF/s a core unpacked, ~90 packed). The first tile of rows does
+//   the copy as it reads w. Up to kMaxRowsUnpacked rows read w in place: one pass, no copy to pay for.
+// - A tied output head (x @ table.T) stays with XLA:CPU: a variant that transposed each panel of the table into
+//   the packed layout measured no faster (§37).
 // - The inner tile is 6 rows x 64 columns: 24 AVX-512 accumulators, each step of k loading four vectors of the
 //   panel and broadcasting six x values.
 

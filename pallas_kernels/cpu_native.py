@@ -215,9 +215,9 @@ def use_matvec(x, kernel) -> bool:
     )  # fmt: skip
 
 
-# Rows up to which a float32 product takes the native few-row kernel (cpu_gemm.cc): from 2 to 64 rows it measured
-# 10-37% faster than XLA:CPU's GEMM; at 128 and more XLA:CPU's is as fast as this machine allows
-# (docs/BENCHMARKS.md §37).
+# Rows up to which a float32 product takes the native few-row kernel (cpu_gemm.cc): from 2 to 48 rows it took
+# 19-38% less time than XLA:CPU's GEMM over a model's worth of projections, at 64 rows 8% less; at 128 the two
+# were equal and at 256 XLA:CPU's was faster (docs/BENCHMARKS.md §37).
 GEMM_MAX_ROWS = 64
 
 

@@ -31,16 +31,6 @@ def test_gemm_equals_the_product(m, k, n):
                                atol=1e-5 * np.sqrt(k))  # fmt: skip
 
 
-def test_gemm_keeps_the_output_axes():
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((32, 2, 3, 8)), jnp.float32)  # a fused projection's [in, K, G+2, Dh]
-    with cpu_native.products(True):
-        got = jax.jit(lambda a, b: cpu_bf16.matmul(a, b, None))(x, w)
-    assert got.shape == (5, 2, 3, 8)
-    np.testing.assert_allclose(np.asarray(got), np.einsum("ti,ikgd->tkgd", x, w), rtol=1e-5, atol=1e-5)
-
-
 def test_only_where_a_step_allows_it():
     w = jnp.ones((8, 4), jnp.float32)
 

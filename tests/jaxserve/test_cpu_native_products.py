@@ -54,13 +54,16 @@ def test_bf16_matvec_sums_in_float32(k, n):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(got.astype(jnp.bfloat16)))
 
 
-def test_matvec_keeps_the_output_axes():
+@pytest.mark.parametrize("rows", [1, 5])  # the one-row kernel, and the few-row one (cpu_gemm.cc)
+def test_native_products_keep_the_output_axes(rows):
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((1, 32)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, 32)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((32, 2, 3, 8)), jnp.float32)  # a fused projection's [in, K, G+2, Dh]
     with cpu_native.products(True):
-        got = jax.jit(lambda a, b: cpu_bf16.matmul(a, b, None))(x, w)
-    assert got.shape == (1, 2, 3, 8)
+        fn = jax.jit(lambda a, b: cpu_bf16.matmul(a, b, None))
+        got = fn(x, w)
+    assert ("jaxserve_cpu_gemm" in fn.lower(x, w).as_text()) == (rows > 1)
+    assert got.shape == (rows, 2, 3, 8)
     np.testing.assert_allclose(np.asarray(got), np.einsum("ti,ikgd->tkgd", x, w), rtol=1e-5, atol=1e-5)
 
 
