@@ -216,8 +216,8 @@ def use_matvec(x, kernel) -> bool:
 
 
 # Rows up to which a float32 product takes the native few-row kernel (cpu_gemm.cc): from 2 to 48 rows it took
-# 19-38% less time than XLA:CPU's GEMM over a model's worth of projections, at 64 rows 8% less; at 128 the two
-# were equal and at 256 XLA:CPU's was faster (docs/BENCHMARKS.md §37).
+# 20-41% less time than XLA:CPU's GEMM over a model's worth of projections, at 64 rows 11% less; from 96 rows on
+# the two were equal (docs/BENCHMARKS.md §37, python -m jaxserve.bench.cpu_gemm_rows).
 GEMM_MAX_ROWS = 64
 
 

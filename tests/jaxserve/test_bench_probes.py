@@ -1,5 +1,5 @@
-"""Smoke tests of small benches on CPU: the weight-only GEMV probe and the CPU one-row product forms (tiny
-widths), and the first-requests timer (a tiny target with an n-gram speculator, primed or not; on CPU nothing
+"""Smoke tests of small benches on CPU: the weight-only GEMV probe, the CPU one-row product forms (tiny
+widths) and few-row products, and the first-requests timer (a tiny target with an n-gram speculator, primed or not; on CPU nothing
 is primed either way)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 from engine_fixtures import checkpoint
 
-from jaxserve.bench import cpu_gemv_forms, first_requests, weight_only_gemv
+from jaxserve.bench import cpu_gemm_rows, cpu_gemv_forms, first_requests, weight_only_gemv
 
 
 def test_weight_only_gemv_quick(tmp_path, capsys):
@@ -30,6 +30,23 @@ def test_cpu_gemv_forms_quick(tmp_path, capsys):
     assert exact["f32"] == 0 and exact["f32_t"] < 1e-5  # the same float32 product, stored either way
     assert max(exact.values()) < 0.05  # int8 and bf16 weights: close, not exact
     assert [r["layer_forms"] for r in res["layer_rows"]] == ["NNNN", "TNNT"]
+
+
+def test_cpu_gemm_rows_quick(tmp_path, capsys):
+    from jaxserve.pallas_kernels import cpu_native
+
+    out = tmp_path / "rows.json"
+    assert cpu_gemm_rows.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rows"] for r in rows] == [2, 8]
+    ways = {"xla", "native"} if cpu_native.loaded("gemm") else {"xla"}
+    assert all(set(r) - {"rows"} == ways and all(r[w]["ms"] > 0 for w in ways) for r in rows)
+
+
+def test_cpu_gemm_rows_rejects_bad_rows(capsys):
+    with pytest.raises(SystemExit):
+        cpu_gemm_rows.main(["--rows", "16,x"])
+    assert "--rows='16,x'" in capsys.readouterr().err
 
 
 def test_cpu_gemv_forms_rejects_a_bad_form(capsys):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from hlo_precision import dot_precisions
+from hlo_precision import dot_precisions, jnp_attention
 from model_batch_utils import BLOCK_SIZE, NUM_BLOCKS, Chunk, block_tables, make_batch
 
 from jaxserve.models.config import TextModelConfig
@@ -35,7 +35,9 @@ def _lowered_step(dtype, backend: str, *, tied: bool = False, **model_kw) -> str
     The model is abstract (shapes only): lowering needs no weights and compiles nothing.
     """
     cfg = _config(tied)
-    model = abstract_model(cfg, dtype=dtype, attention_fn=get_attention_fn(backend, "cpu"), **model_kw)
+    with jnp_attention():  # the jnp routes (the CPU's C++ kernel has no dots)
+        attention_fn = get_attention_fn(backend, "cpu")
+    model = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn, **model_kw)
     graphdef, state = nnx.split(model)
     table_a, table_b = block_tables(2)
     ids, md = make_batch([Chunk(list(range(2, 9)), 0, table_a), Chunk([5], 6, table_b)])

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hlo_precision import dot_precisions
+from hlo_precision import dot_precisions, jnp_attention
 
 from jaxserve import config
 from jaxserve.pallas_kernels import mosaic_prefill, precision
@@ -57,7 +57,8 @@ def test_backend_dots_carry_the_precision(backend, dtype, prec, want):
         np.random.default_rng(0), q_lens=[1, 7], ctx_lens=[9, 12], num_heads=4, num_kv_heads=2, head_dim=16,
         block_size=4, dtype=dtype,
     )  # fmt: skip
-    fn = get_attention_fn(backend, "cpu")
+    with jnp_attention():  # the jnp routes (the CPU's C++ kernel has no dots)
+        fn = get_attention_fn(backend, "cpu")
     pages = (b.k_pages, b.v_pages)
     if kv_layout.heads_major(backend):  # the backend's own cache layout
         pages = tuple(map(kv_layout.to_heads_major, pages))
