@@ -432,6 +432,7 @@ class ModelRunner:
             if store is not None:
                 store.save(_sampler_name(key), program)
 
+        loaded_steps = 0
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
             jobs = []
             for key, lower in self._sampler_variants(shapes):
@@ -445,6 +446,7 @@ class ModelRunner:
                 program = store.load(name, list(self.mesh.devices.flat)) if store is not None else None
                 if program is not None:
                     self._programs[shape] = program
+                    loaded_steps += 1
                     bar.update()
                     continue
                 lowered = self._steps[shape[2]].lower(*self._dummy_args(*shape[:2]))
@@ -458,7 +460,7 @@ class ModelRunner:
             logger.info("slowest step compiles: %s", ", ".join(
                 f"tokens={t} ctx={b * self.block_size}{' decode' if d else ''} {sec:.1f}s" for (t, b, d), sec in slowest))
         self.compiled_shapes.update(shapes)
-        self.num_loaded_programs = store.hits if store is not None else 0
+        self.num_loaded_programs = loaded_steps  # step programs only: store.hits counts the samplers' too
         if store is not None:
             logger.info("step programs: %d loaded from %s, %d compiled", store.hits, store.root, store.misses)
         if shapes and self.runner_config.platform != "cpu":
