@@ -194,7 +194,7 @@ class ModelRunner:
         # Plain steps keep XLA's command buffers, but not in a speculative engine, whose loop launches each step
         # after reading the last (launch_mode). Given to jit, the options reach every compile of these steps.
         self._step_options = launch_mode.compiler_options(runner_config.platform, runner_config.host_bound_steps)
-        # One-row float32 products by the CPU's native kernel, where the step runs on one device (cpu_native.py).
+        # Products of one row or a few by the CPU's native kernels, where the step runs on one device (cpu_native.py).
         self.native_products = runner_config.platform == "cpu" and self.mesh.size == 1 and (
             cpu_native.loaded("gemv") or cpu_native.loaded("gemm"))
         self._steps = {

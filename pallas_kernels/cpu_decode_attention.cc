@@ -127,7 +127,7 @@ constexpr int64_t kMinParallelBytes = 256 * 1024;
 // One call: its operands and the (row, KV head) items it computes; item i is row i / K, head i % K. A row is a
 // query token with the block table it reads (table_of) and the context length it sees (lens).
 template <typename T>
-struct DecodeCall {
+struct AttentionCall {
   const float* q;
   const T* k_pages;
   const T* v_pages;
@@ -227,14 +227,14 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const int32_t* lens = row_lens.typed_data();
   switch (k_pages.element_type()) {
     case ffi::F32:
-      DecodeCall<float>{q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
+      AttentionCall<float>{q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
                         static_cast<const float*>(v_pages.untyped_data()), tables, table_of, lens,
                         out->typed_data(), rows, num_tables, kv_heads, group, page, dim, blocks, scale, window}
           .run(pool);
       return ffi::Error::Success();
     case ffi::BF16:
     case ffi::U16:  // bfloat16 bits: how a CPU gather backend stores a bf16 cache (fp8.storage_dtype)
-      DecodeCall<uint16_t>{q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
+      AttentionCall<uint16_t>{q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
                            static_cast<const uint16_t*>(v_pages.untyped_data()), tables, table_of, lens,
                            out->typed_data(), rows, num_tables, kv_heads, group, page, dim, blocks, scale, window}
           .run(pool);

@@ -69,7 +69,9 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, f
     }
     __m512 b[4];
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) b[v] = FULL ? _mm512_loadu_ps(p + 16 * v) : _mm512_maskz_loadu_ps(masks.m[v], p + 16 * v);
+    for (int v = 0; v < 4; ++v) {
+      b[v] = FULL ? _mm512_loadu_ps(p + 16 * v) : _mm512_maskz_loadu_ps(masks.m[v], p + 16 * v);
+    }
     if (copy_to != nullptr) {
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v) _mm512_storeu_ps(copy_to + kk * kPanel + 16 * v, b[v]);

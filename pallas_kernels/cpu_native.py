@@ -186,9 +186,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, row_tables, row_lens, *, 
     )
 
 
-# Native products (cpu_gemv.cc: one row; cpu_gemm.cc: a few rows). Only programs that run on one device may use them: XLA's partitioner cannot
-# split a custom call, and under TP would gather every weight onto every device for it. The step program that
-# the runner compiles says so at trace time (``products``); everything else traces the plain product.
+# Native products (cpu_gemv.cc: one row; cpu_gemm.cc: a few rows). Only programs that run on one device may use
+# them: XLA's partitioner cannot split a custom call, and under TP would gather every weight onto every device for
+# it. The step program that the runner compiles says so at trace time (``products``); everything else traces the
+# plain product.
 _products = contextvars.ContextVar("jaxserve_cpu_native_products", default=False)
 
 
