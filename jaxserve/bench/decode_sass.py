@@ -82,10 +82,13 @@ def triton_modules(fn, *args) -> list[str]:
     """The Triton IR (MLIR text) of every Pallas Triton kernel in ``fn(*args)``, lowered for "cuda" on any machine.
 
     ``jax.export`` lowers for the GPU without one; its compatibility check then refuses the Triton custom
-    call, after the lowering this captures.
+    call, after the lowering this captures. From jax 0.11 the Triton lowering asks for the GPU's compute
+    capability and, on a machine without one, finds it only on an abstract mesh's device: the lowering runs
+    under a one-device mesh of an abstract H200 (sm_90, the GPU these kernels are tuned for).
     """
     import jax
     from jax._src.pallas.triton import pallas_call_registration as reg
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
     captured = []
     lower = reg.lowering.lower_jaxpr_to_triton_module
@@ -96,8 +99,10 @@ def triton_modules(fn, *args) -> list[str]:
         return result
 
     reg.lowering.lower_jaxpr_to_triton_module = capture
+    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "gpu"))
     try:
-        jax.export.export(fn, platforms=["cuda"])(*args)
+        with use_abstract_mesh(h200):
+            jax.export.export(fn, platforms=["cuda"])(*args)
     except ValueError:  # the export's custom-call check, after lowering
         pass
     finally:

@@ -47,8 +47,14 @@ def _cache_sized_f32_arrays(pages_dtype) -> list[str]:
 
 
 def test_a_bits_cache_write_converts_no_whole_cache():
-    assert _cache_sized_f32_arrays(jnp.bfloat16)  # what bits avoid: XLA:CPU's bf16 scatter works in float32
     assert not _cache_sized_f32_arrays(fp8.BF16_BITS)
+
+
+def test_xla_cpu_bf16_scatter_still_converts_the_whole_cache():
+    """Why the bits exist: jax 0.10's XLA:CPU scatters bf16 through a float32 copy of the whole cache. jax 0.11.2's
+    does not (seen on the device image); the bits cost nothing there, so only the premise's test is skipped."""
+    if not _cache_sized_f32_arrays(jnp.bfloat16):
+        pytest.skip(f"jax {jax.__version__}: XLA:CPU scatters bf16 in place; the bits are kept, harmless")
 
 
 @pytest.mark.parametrize("rows", [1, 3])
