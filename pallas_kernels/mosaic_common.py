@@ -17,13 +17,27 @@ def plgpu():
 
 def load(ref, **kwargs):
     """``plgpu.load`` of a whole (already indexed) ref in a register layout, on every jax we support: jax 0.10
-    takes the index as a required argument, and jax 0.11 deprecates passing it (index the ref with ``.at``)."""
+    takes the index as a required argument, jax 0.11 deprecates passing it (index the ref with ``.at``), and jax
+    0.12 removed the argument."""
     import inspect
 
     fn = plgpu().load
-    if inspect.signature(fn).parameters["idx"].default is inspect.Parameter.empty:
+    idx = inspect.signature(fn).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
         return fn(ref, (), **kwargs)
     return fn(ref, **kwargs)
+
+
+def store_unplanned(ref, value, interpret: bool) -> None:
+    """``ref[...] = value`` through the plain per-thread transfer. jax 0.12 plans every register store and
+    refuses one that misses its rules (whole 32-byte sectors in global memory, no bank conflicts in shared
+    memory) unless asked for an unplanned one with ``plgpu.store(..., optimized=False)``; earlier jax stores
+    them that way without asking. The interpreter takes the plain assignment."""
+    fn = getattr(plgpu(), "store", None)
+    if fn is None or interpret:
+        ref[...] = value
+    else:
+        fn(ref, value, optimized=False)
 
 
 def interpret_params():

@@ -201,8 +201,9 @@ def _kernel(
     def _():
         out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [1])
         # Straight from registers to global memory: a staging buffer would cost shared memory, and with it
-        # a CTA per SM (the kernel is bound by how many CTAs keep tiles in flight).
-        o_ref.at[s, kh][...] = out.astype(o_ref.dtype)
+        # a CTA per SM (the kernel is bound by how many CTAs keep tiles in flight). A row of O^T is 16 or 32
+        # bytes, less than the whole 32-byte sectors per transfer that jax 0.12 plans for: hence unplanned.
+        mosaic_common.store_unplanned(o_ref.at[s, kh], out.astype(o_ref.dtype), interpret)
 
 
 def decode_attention_mosaic(

@@ -293,7 +293,9 @@ def _kernel(
             def _():
                 # l == 0 only for padding tokens (no context): they come out as zeros.
                 out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
-                qs[...] = out.astype(dtype)
+                # qs is unswizzled (the TMA store reads it row by row), so this store has bank conflicts
+                # that jax 0.12 only accepts unplanned; it is once per item.
+                mosaic_common.store_unplanned(qs, out.astype(dtype), interpret)
                 plgpu.commit_smem()
                 # Store exactly `rows` rows: one TMA copy per set bit of `rows`, largest first. Nobody waits
                 # for them here: the buffer goes back to the producer at the next item's start.
