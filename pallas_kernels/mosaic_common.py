@@ -33,8 +33,8 @@ def store_unplanned(ref, value, interpret: bool) -> None:
     refuses one that misses its rules (whole 32-byte sectors in global memory, no bank conflicts in shared
     memory) unless asked for an unplanned one with ``plgpu.store(..., optimized=False)``; earlier jax stores
     them that way without asking. The interpreter takes the plain assignment."""
-    fn = getattr(plgpu(), "store", None)
-    if fn is None or interpret:
+    fn = None if interpret else getattr(plgpu(), "store", None)
+    if fn is None:
         ref[...] = value
     else:
         fn(ref, value, optimized=False)
