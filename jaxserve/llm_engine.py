@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from jaxserve import prompt_logprobs
 from jaxserve.engine_setup import EngineComponents, build_engine_components
 from jaxserve.config import EngineArgs
 from jaxserve.detokenizer import IncrementalDetokenizer
@@ -176,6 +177,16 @@ class LLMEngine:
             )
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.args.max_logprobs}")
+        if params.prompt_logprobs is not None:
+            if params.prompt_logprobs > self.args.max_logprobs:
+                raise ValueError(
+                    f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={self.args.max_logprobs}"
+                )
+            if self.args.speculative_config is not None:
+                raise ValueError(
+                    "prompt_logprobs is not supported with speculative decoding (its verify steps score only the "
+                    "proposals); leave prompt_logprobs unset or start the engine without speculative_config"
+                )
 
     def add_request(
         self,
@@ -212,6 +223,8 @@ class LLMEngine:
             detok = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            if params.prompt_logprobs is not None and i == 0:  # one sample computes them for the group
+                req.prompt_logprobs = {}
             samples.append(SampleState(request=req, index=i, detokenizer=detok))
         group = RequestGroup(request_id, text, prompt_ids, samples, arrival)
         self.output_processor.add(group)
@@ -368,6 +381,8 @@ class LLMEngine:
                 self.output_processor.catch_up_deferred(lambda: not self.runner.ready(handle))
             runner_out = self.runner.fetch(handle)
         self.loop_time["wait_s"] += time.perf_counter() - wait_start
+        if runner_out.prompt_logprobs is not None:
+            prompt_logprobs.store(sched.seqs, sched.requests, runner_out.prompt_logprobs)
         # Each request's row, for its logprobs: only a step that returned logprobs needs them.
         rows = {}
         if runner_out.sampled_logprobs is not None:

@@ -46,7 +46,10 @@ from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import SamplerOutput, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxserve.step_program import dummy_inputs, forward_step, mm_kwargs, pack_inputs, run_model, sample_padded
+from jaxserve import prompt_logprobs
+from jaxserve.step_program import (
+    dummy_inputs, forward_step, forward_step_with_prompt_logprobs, mm_kwargs, pack_inputs, run_model, sample_padded,
+)
 
 logger = logging.getLogger("jaxserve")
 
@@ -57,6 +60,7 @@ class StepHandle:
 
     sampled: SamplerOutput  # device arrays
     num_rows: int  # real sequences in the step
+    prompt_logprobs: Any = None  # PromptLogprobs (device arrays) when some sequence wanted them
 
 
 class ModelRunner:
@@ -210,6 +214,22 @@ class ModelRunner:
             )
             for decode_only in (False, True)
         }
+        # Steps that also score prompt tokens (prompt_logprobs.py): one more argument (targets) and output, compiled
+        # by jit on first use, since few workloads ask for them.
+        self._plp_steps = {
+            decode_only: jax.jit(
+                functools.partial(
+                    forward_step_with_prompt_logprobs, self.graphdef, self._treedef, self.max_rows, decode_only,
+                    lora_spec, self.aux_layers, native_products=self.native_products,
+                ),
+                donate_argnums=1,
+                in_shardings=(param_shardings, cache_shardings) + (batch_sharding,) * (5 + num_mm),
+                out_shardings=(logits_sharding, batch_sharding, cache_shardings, batch_sharding),
+                compiler_options=self._step_options,
+            )
+            for decode_only in (False, True)
+        }
+        self._plp_shapes: set[tuple[int, int, bool]] = set()  # those compiled so far (for the log line)
         self._sample = jax.jit(functools.partial(sample_padded, num_rows_max=self.max_rows))
         self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
         # calculate_kv_scales (kv_scale_calibration.py): the scales travel as one traced [L, 2] array, set from the
@@ -339,10 +359,11 @@ class ModelRunner:
             mm_fields = self.vision.step_fields(sched.seqs, x.positions, x.query_start_loc)
         if self._calibration_pending:
             self._calibrate_kv_scales(sched, x)
-        out = self._run(x, sampling_md, decode_only, mm_fields)
+        targets = prompt_logprobs.targets_for(sched.seqs, t)
+        out, plp = self._run(x, sampling_md, decode_only, mm_fields, targets)
         self._last_tokens = out.token_ids
         self.num_steps += 1
-        return StepHandle(out, len(sched.seqs))
+        return StepHandle(out, len(sched.seqs), plp)
 
     def _calibrate_kv_scales(self, sched: SchedulerOutput, x: StepInputs) -> None:
         """calculate_kv_scales: set every layer's fp8 scales from this (the first) step's K/V, before it runs."""
@@ -364,8 +385,11 @@ class ModelRunner:
 
     @staticmethod
     def fetch(handle: StepHandle) -> ModelRunnerOutput:
-        """Wait for a dispatched step and copy its samples to the host (one transfer)."""
-        return to_runner_output(handle.sampled, handle.num_rows)
+        """Wait for a dispatched step and copy its samples to the host (one transfer; two with prompt logprobs)."""
+        out = to_runner_output(handle.sampled, handle.num_rows)
+        if handle.prompt_logprobs is not None:
+            out.prompt_logprobs = jax.tree.map(np.asarray, jax.device_get(handle.prompt_logprobs))
+        return out
 
     def _history_len(self, sched: SchedulerOutput) -> int:
         distinct = {id(seq.sampling_params): seq.sampling_params for seq in sched.seqs}.values()  # often one
@@ -378,8 +402,10 @@ class ModelRunner:
         return () if self.vision is None else (mm_fields, self.vision.pool)
 
     def _run(
-        self, x: StepInputs, sampling_md: SamplingMetadata, decode_only: bool = False, mm_fields=None
-    ) -> SamplerOutput:
+        self, x: StepInputs, sampling_md: SamplingMetadata, decode_only: bool = False, mm_fields=None, targets=None
+    ) -> tuple[SamplerOutput, Any]:
+        """-> (the samples, PromptLogprobs or None); ``targets`` [T] (prompt_logprobs.targets_for) or None."""
+        plp = None
         if self._eager_model is not None:
             md = self._metadata(x)
             prev = jnp.asarray(x.prev_index)
@@ -387,14 +413,23 @@ class ModelRunner:
             mm = mm_kwargs(tuple(jnp.asarray(a) for a in self._mm_args(mm_fields)))
             hidden, self.kv_caches = run_model(self._eager_model, input_ids, self.kv_caches, md, self.aux_layers, **mm)
             logits = self._eager_model.compute_logits(hidden[md.logits_indices])
-            return sample_padded(logits, sampling_md, self.max_rows)
+            if targets is not None:
+                plp = prompt_logprobs.prompt_logprobs_of(self._eager_model, hidden, jnp.asarray(targets))
+            return sample_padded(logits, sampling_md, self.max_rows), plp
         key = (x.input_ids.shape[0], x.block_tables.shape[1], decode_only)
         args = (self.step_params(), self.kv_caches, *pack_inputs(x), self._last_tokens, self._kv_scales_arr,
                 *self._mm_args(mm_fields))  # fmt: skip
-        logits, greedy, self.kv_caches = self._program(key, args)(*args)
+        if targets is None:
+            logits, greedy, self.kv_caches = self._program(key, args)(*args)
+        else:
+            if key not in self._plp_shapes:
+                logger.info("compiling step shape tokens=%d ctx=%d with prompt logprobs on first use", key[0],
+                            key[1] * self.block_size)
+                self._plp_shapes.add(key)
+            logits, greedy, self.kv_caches, plp = self._plp_steps[decode_only](*args[:6], targets, *args[6:])
         if sampling_md.plain_greedy:
-            return SamplerOutput(token_ids=greedy)  # the step's own argmax: no sampler program to launch
-        return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md)
+            return SamplerOutput(token_ids=greedy), plp  # the step's own argmax: no sampler program to launch
+        return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md), plp
 
     # ------------------------------------------------------------------ compile
 

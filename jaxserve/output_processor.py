@@ -8,7 +8,8 @@ import time
 from typing import Callable, Optional
 
 from jaxserve.detokenizer import IncrementalDetokenizer, decode_token
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve import prompt_logprobs
+from jaxserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from jaxserve.request import Request
 from jaxserve.scheduler_output import ModelRunnerOutput
 
@@ -54,6 +55,7 @@ class RequestGroup:
     arrival_time: float
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    prompt_logprobs: Optional[list] = None  # RequestOutput.prompt_logprobs, once complete
     # Only the finished output is wanted (output_kind="final_only", as LLM.generate asks): kept as a field, since
     # it is asked of every request every step.
     final_only: bool = dataclasses.field(init=False)
@@ -82,6 +84,7 @@ class RequestGroup:
                 "first_token_time": self.first_token_time,
                 "finish_time": self.finish_time,
             },
+            self.prompt_logprobs,
         )
 
 
@@ -157,6 +160,8 @@ class OutputProcessor:
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
+            if group.samples[0].request.prompt_logprobs is not None:
+                self._prompt_logprobs(group)
             finished = group.finished
             if finished:
                 group.finish_time = now
@@ -176,6 +181,8 @@ class OutputProcessor:
             if s.finish_reason is None:
                 s.finish_reason = "abort"
         group.finish_time = time.monotonic()
+        if group.samples[0].request.prompt_logprobs is not None:
+            self._prompt_logprobs(group)
         self._drop(group)
         return group.output()
 
@@ -211,19 +218,32 @@ class OutputProcessor:
         if k is None or out.sampled_logprobs is None:
             return
         lp = float(out.sampled_logprobs[row])
-        entry = {token: Logprob(lp, int(out.sampled_ranks[row]), self._decode(token))}
-        for tid, tlp in zip(out.top_token_ids[row][:k], out.top_logprobs[row][:k]):
-            tid = int(tid)
-            if tid not in entry:
-                entry[tid] = Logprob(float(tlp), len(entry) if tid != token else None, self._decode(tid))
-        # Ranks of alternatives are their place in the top list.
-        for rank, tid in enumerate(out.top_token_ids[row][:k], start=1):
-            if int(tid) != token:
-                entry[int(tid)].rank = rank
+        entry = self._entry(token, lp, out.sampled_ranks[row], out.top_token_ids[row], out.top_logprobs[row], k)
         if state.logprobs is None:
             state.logprobs = []
         state.logprobs.append(entry)
         state.cumulative_logprob = (state.cumulative_logprob or 0.0) + lp
+
+    def _entry(self, token: int, lp: float, rank, top_ids, top_lps, k: int) -> LogprobsDict:
+        """One position's dict: ``token`` (its logprob and rank) first, then the ``k`` most likely, ranked by their
+        place in the top list."""
+        entry = {token: Logprob(lp, int(rank), self._decode(token))}
+        for tid, tlp in zip(top_ids[:k], top_lps[:k]):
+            tid = int(tid)
+            if tid not in entry:
+                entry[tid] = Logprob(float(tlp), len(entry) if tid != token else None, self._decode(tid))
+        for place, tid in enumerate(top_ids[:k], start=1):
+            if int(tid) != token:
+                entry[int(tid)].rank = place
+        return entry
+
+    def _prompt_logprobs(self, group: RequestGroup) -> None:
+        """Build the group's prompt logprobs once its first sample has them all (prompt_logprobs.py)."""
+        request = group.samples[0].request
+        if group.prompt_logprobs is None and prompt_logprobs.complete(request):
+            k = request.sampling_params.prompt_logprobs
+            group.prompt_logprobs = prompt_logprobs.as_list(group.prompt_token_ids, request.prompt_logprobs, k,
+                                                            self._entry)
 
     def _decode(self, token: int) -> Optional[str]:
         return decode_token(self.tokenizer, token) if self.tokenizer is not None else None

@@ -45,3 +45,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: Optional[dict] = None  # arrival / first-token / finish times (time.monotonic seconds)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it),
+    # then {token_id: Logprob} with the prompt token and its top alternatives. None until the prompt is computed.
+    prompt_logprobs: Optional[list[Optional[LogprobsDict]]] = None

@@ -213,18 +213,26 @@ def _block_size(vocab: int, k: int) -> int:
 
 def _with_logprobs(raw: jax.Array, token_ids: jax.Array) -> SamplerOutput:
     """Raw-distribution logprobs of the sampled tokens, their ranks and the top MAX_LOGPROBS."""
-    lse = jax.nn.logsumexp(raw, axis=-1)  # [S]
-    chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)  # [S, 1]
-    # Rank compared on logits, not logprobs: subtracting lse could round distinct logits together.
-    ranks = 1 + jnp.sum(raw > chosen, axis=-1, dtype=jnp.int32)  # [S]
-    top_values, top_ids = exact_top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))  # [S, K]
+    logprobs, ranks, top_ids, top_logprobs = token_logprobs(raw, token_ids)
     return SamplerOutput(
         token_ids=token_ids,
-        sampled_logprobs=chosen[:, 0] - lse,
+        sampled_logprobs=logprobs,
         sampled_ranks=ranks,
         top_token_ids=top_ids,
-        top_logprobs=top_values - lse[:, None],
+        top_logprobs=top_logprobs,
     )
+
+
+def token_logprobs(raw: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per row of ``raw`` logits [R, V] (float32): the logprob of ``token_ids`` [R] under them, its rank (1 + the
+    tokens with a higher logit), and the MAX_LOGPROBS most likely (ids [R, K] i32, logprobs [R, K]). Shared by
+    the sampled tokens' logprobs and the prompt's (jaxserve.prompt_logprobs)."""
+    lse = jax.nn.logsumexp(raw, axis=-1)  # [R]
+    chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)  # [R, 1]
+    # Rank compared on logits, not logprobs: subtracting lse could round distinct logits together.
+    ranks = 1 + jnp.sum(raw > chosen, axis=-1, dtype=jnp.int32)  # [R]
+    top_values, top_ids = exact_top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))  # [R, K]
+    return chosen[:, 0] - lse, ranks, top_ids, top_values - lse[:, None]
 
 
 def to_runner_output(out: SamplerOutput, num_rows: int) -> ModelRunnerOutput:

@@ -29,6 +29,9 @@ class SamplingParams:
     max_tokens: Optional[int] = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: Optional[int] = None  # number of top alternatives besides the sampled token
+    # Logprobs of the prompt's tokens (each given the tokens before it), with this many top alternatives each:
+    # RequestOutput.prompt_logprobs. A request asking for them computes its whole prompt (no prefix-cache hits).
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -74,6 +77,10 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
         if self.output_kind not in ("cumulative", "final_only"):

@@ -220,7 +220,11 @@ class Scheduler:
                 continue
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: admit it once that token is known (next step)
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            # Prompt logprobs need every prompt token computed: no prefix-cache hits for them (prompt_logprobs.py).
+            computed_blocks, num_cached = (
+                ([], 0) if request.prompt_logprobs is not None and request.needs_prompt_logprobs
+                else self.kv.get_computed_blocks(request)
+            )  # fmt: skip
             remaining = request.num_tokens - num_cached
             if not self.enable_chunked_prefill and remaining > budget:
                 break  # waits for a step with room for the whole prompt; FIFO, so nobody overtakes it
@@ -381,6 +385,7 @@ class Scheduler:
             len(spec),  # num_spec_tokens
             request.lora_request,
             request.mm,
+            request.prompt_logprobs is not None and start < len(request.prompt_token_ids) - 1,  # prompt_logprobs
         )
         request.num_computed_tokens = end + len(spec)
         if sample:

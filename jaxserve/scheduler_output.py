@@ -36,6 +36,8 @@ class ScheduledSeq:
     lora_request: Optional[LoRARequest] = None  # the adapter this sequence runs with (None: the base model)
     # A vision-language request's images and M-RoPE rows (jaxserve.multimodal.MultiModalInputs), or None.
     mm: Any = None
+    # This step's tokens of the prompt should be scored for prompt logprobs (jaxserve.prompt_logprobs).
+    prompt_logprobs: bool = False
 
 
 @dataclasses.dataclass
@@ -70,3 +72,5 @@ class ModelRunnerOutput:
     # row r's j-th emitted token is entry r * logprobs_stride + j.
     emitted_token_ids: list[list[int]] | None = None
     logprobs_stride: int = 1
+    # Per token of the step (numpy), for sequences with ``ScheduledSeq.prompt_logprobs``: a PromptLogprobs, else None.
+    prompt_logprobs: Any = None

@@ -47,6 +47,39 @@ def forward_step(
     ``native_products`` (static): one-row float32 products may take the CPU's native kernel (cpu_native.products;
     only for a program on one device).
     """
+    model, hidden, md, kv_caches = _model_over_step(
+        graphdef, treedef, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields, prev_tokens,
+        kv_scales, mm, native_products,
+    )
+    with cpu_native.products(native_products):
+        logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
+    greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
+    return logits, greedy, kv_caches
+
+
+def forward_step_with_prompt_logprobs(
+    graphdef, treedef, num_rows_max, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields,
+    prev_tokens, kv_scales, targets, *mm, native_products: bool = False,
+):
+    """``forward_step`` plus each token's prompt logprobs (jaxserve.prompt_logprobs): ``targets`` [T] i32 is the
+    prompt token that follows each token (-1 where none is wanted). -> (logits, greedy, cache, PromptLogprobs)."""
+    from jaxserve.prompt_logprobs import prompt_logprobs_of
+
+    model, hidden, md, kv_caches = _model_over_step(
+        graphdef, treedef, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields, prev_tokens,
+        kv_scales, mm, native_products,
+    )
+    with cpu_native.products(native_products):  # as forward_step: the same logits, so the same samples
+        logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
+    greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
+    return logits, greedy, kv_caches, prompt_logprobs_of(model, hidden, targets)
+
+
+def _model_over_step(
+    graphdef, treedef, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields, prev_tokens,
+    kv_scales, mm, native_products,
+):
+    """The step's model pass: (the merged model, final hidden states [T, E], AttentionMetadata, new caches)."""
     input_ids, prev_index, md = unpack_inputs(tok_fields, seq_fields, decode_only)
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     lora = None
@@ -60,9 +93,7 @@ def forward_step(
     lora_kw = {"lora": lora} if lora is not None else {}
     with cpu_native.products(native_products):
         hidden, kv_caches = run_model(model, input_ids, kv_caches, md, aux_layers, **lora_kw, **mm_kwargs(mm))  # [T, E]
-        logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
-    greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
-    return logits, greedy, kv_caches
+    return model, hidden, md, kv_caches
 
 
 def mm_kwargs(mm: tuple) -> dict:

@@ -48,6 +48,7 @@ class DeltaTracker:
         self.prompt_lens = prompt_lens
         self._sent: dict[int, _Sent] = {}
         self.completion_tokens = 0
+        self.counts_completion = True  # False: the tokens are not returned (completions' echo with max_tokens=0)
 
     def update(self, prompt_index: int, out: RequestOutput) -> list[Delta]:
         deltas = []
@@ -70,7 +71,8 @@ class DeltaTracker:
         if not text and not new_tokens and not finished:
             return None
         logprobs = comp.logprobs[sent.tokens : len(comp.token_ids)] if comp.logprobs is not None else None
-        self.completion_tokens += len(new_tokens)
+        if self.counts_completion:
+            self.completion_tokens += len(new_tokens)
         first = not sent.started
         sent.chars = max(sent.chars, len(comp.text))
         sent.tokens = len(comp.token_ids)

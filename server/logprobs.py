@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from jaxserve.outputs import LogprobsDict
 
-from jaxserve.server.protocol_responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from jaxserve.server.protocol_responses import (
+    ChatLogprobs, CompletionLogprobs, PromptLogprob, PromptLogprobs, TokenLogprob, TopLogprob,
+)
 
 
 def _token_str(token_id: int, decoded: Optional[str]) -> str:
@@ -15,23 +17,55 @@ def _token_str(token_id: int, decoded: Optional[str]) -> str:
 
 
 def completion_logprobs(
-    token_ids: list[int], entries: list[LogprobsDict], text_offset: int
+    token_ids: list[int],
+    entries: list[Optional[LogprobsDict]],
+    text_offset: int,
+    top: Optional[int] = None,
+    decode: Optional[Callable[[int], Optional[str]]] = None,
+    into: Optional[CompletionLogprobs] = None,
 ) -> tuple[CompletionLogprobs, int]:
     """Logprobs of ``token_ids`` (one dict each); offsets start at ``text_offset``. Returns (logprobs, next offset).
 
-    ``top_logprobs`` holds the sampled token and the requested alternatives, as vLLM returns them.
+    ``top_logprobs`` holds the sampled token and the requested alternatives, as vLLM returns them (with ``top``,
+    only alternatives ranked ``top`` or better). An entry may be None (a prompt's first token, echoed): the token
+    then has no logprob, its text comes from ``decode``. ``into``: lists to append to (echo: prompt, then output).
     """
-    out = CompletionLogprobs()
+    out = into if into is not None else CompletionLogprobs()
     offset = text_offset
     for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            text = _token_str(token_id, decode(token_id) if decode is not None else None)
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            continue
         sampled = entry.get(token_id)
         text = _token_str(token_id, sampled.decoded_token if sampled else None)
         out.tokens.append(text)
         out.token_logprobs.append(sampled.logprob if sampled else None)
-        out.top_logprobs.append({_token_str(t, lp.decoded_token): lp.logprob for t, lp in entry.items()})
+        out.top_logprobs.append({
+            _token_str(t, lp.decoded_token): lp.logprob for t, lp in entry.items()
+            if top is None or t == token_id or (lp.rank is not None and lp.rank <= top)
+        })  # fmt: skip
         out.text_offset.append(offset)
         offset += len(text)
     return out, offset
+
+
+def prompt_logprobs_json(entries: Optional[list[Optional[LogprobsDict]]], top: int) -> Optional[PromptLogprobs]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or {token id: PromptLogprob}, each with
+    the prompt token and its ``top`` best alternatives (the engine may have computed more, for echo)."""
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {
+            t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for i, (t, lp) in enumerate(entry.items()) if i == 0 or (lp.rank is not None and lp.rank <= top)
+        }
+        for entry in entries
+    ]  # fmt: skip
 
 
 def chat_logprobs(token_ids: list[int], entries: list[LogprobsDict], top_k: int) -> ChatLogprobs:

@@ -48,6 +48,7 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, + this many top
 
     @field_validator("stop")
     @classmethod
@@ -67,8 +68,11 @@ class _SamplingFields(_Request):
             raise ValueError("top_k must be >= 1, or 0 / -1 to disable")
         return v
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
-        """SamplingParams for this request; ValueError (naming the field) if they are inconsistent."""
+    def sampling_params(
+        self, max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None
+    ) -> SamplingParams:
+        """SamplingParams for this request; ValueError (naming the field) if they are inconsistent.
+        ``prompt_logprobs``: the engine's, where the endpoint asks for more than the body's field (echo)."""
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -86,6 +90,7 @@ class _SamplingFields(_Request):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
@@ -107,7 +112,8 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: PromptInput
-    max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default; None: up to the context
+    # OpenAI's default; None: up to the context; 0: with echo, the prompt alone (scored with logprobs)
+    max_tokens: Optional[int] = Field(16, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: Optional[int] = None

@@ -57,12 +57,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's extra ``prompt_logprobs``: one alternative at one prompt position."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# Per prompt token: None for the first, then {token id: PromptLogprob} (the prompt token and its top alternatives).
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None  # vLLM's extra: the stop string or token id that ended it
+    prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's extra, with "prompt_logprobs" in the request
 
 
 class CompletionResponse(BaseModel):
@@ -113,6 +126,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Optional[UsageInfo] = None
     system_fingerprint: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's extra, with "prompt_logprobs" in the request
 
 
 class DeltaMessage(BaseModel):

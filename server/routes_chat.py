@@ -15,7 +15,7 @@ from jaxserve.media import load_image
 
 from jaxserve.server.deltas import DeltaTracker
 from jaxserve.server.errors import APIError, bad_request, from_value_error
-from jaxserve.server.logprobs import chat_logprobs
+from jaxserve.server.logprobs import chat_logprobs, prompt_logprobs_json
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.protocol_responses import (
     ChatChoice,
@@ -44,6 +44,9 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
         )
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are not available with stream=true; leave stream off to get them",
+                          param="prompt_logprobs")
 
 
 def render_messages(state: ServerState, body) -> list[int]:
@@ -113,6 +116,7 @@ async def create_chat_completion(request: Request) -> Response:
     resp = ChatCompletionResponse(
         id=request_id, created=now_s(), model=model, choices=choices,
         usage=usage(tracker.prompt_lens, tracker.completion_tokens),
+        prompt_logprobs=prompt_logprobs_json(finals[0].prompt_logprobs, body.prompt_logprobs or 0),
     )
     return JSONResponse(resp.model_dump())
 
@@ -131,7 +135,7 @@ async def _stream(
     # OpenAI opens every choice with the role and empty content, before any token is ready.
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
 
-    def choice(_, d) -> ChatChunkChoice:
+    def choice(_, d, __) -> ChatChunkChoice:
         lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
         return ChatChunkChoice(
             index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp,

@@ -157,13 +157,13 @@ async def stream_choices(
     streams: list[RequestStream],
     tracker: DeltaTracker,
     body,
-    make_choice: Callable[[int, Delta], Any],  # (prompt index, delta) -> the endpoint's chunk choice
+    make_choice: Callable[[int, Delta, Any], Any],  # (prompt index, delta, its RequestOutput) -> a chunk choice
     chunk: Callable[[list, Optional[UsageInfo]], bytes],  # (choices, usage or None) -> one SSE event
 ) -> AsyncIterator[bytes]:
     """What every streamed endpoint sends after its opening: one chunk per engine output that moved a
     choice (with running usage under continuous_usage_stats), the usage chunk under include_usage, [DONE]."""
     async for i, out in stream_outputs(streams):
-        choices = [make_choice(i, d) for d in tracker.update(i, out)]
+        choices = [make_choice(i, d, out) for d in tracker.update(i, out)]
         if choices:
             running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
             yield chunk(choices, running)

@@ -1,0 +1,113 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``): each prompt token's logprob given the tokens before it.
+
+A step holding a prompt chunk that wants them runs a variant of the step program
+(``step_program.forward_step_with_prompt_logprobs``, compiled on first use): besides the usual logits of each
+sequence's last token, it scores every token's hidden state against ``targets`` [T], the prompt token that
+follows it (the host knows it, also across chunk boundaries: ``targets_for``). The full [T, V] logits are never
+held at once: they are computed ``CHUNK`` rows at a time, and only each row's logprob of its target, the target's
+rank and the top MAX_LOGPROBS leave the loop. On the host the rows land on the request by position
+(``store``), so a chunk computed twice (preemption by recompute) overwrites the same entries.
+
+Scheduling: a request that still needs its prompt logprobs is admitted without prefix-cache hits (a cached
+token is not computed, so it would have no logprobs; vLLM does the same). With n > 1 only the first sample
+computes them; the others share its blocks as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxserve.outputs import LogprobsDict
+from jaxserve.sampler import token_logprobs
+from jaxserve.scheduler_output import ScheduledSeq
+
+# Rows of logits computed at once: [CHUNK, V] float32 is 128 MiB at Llama 3's vocabulary.
+CHUNK = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Per token of a step (device arrays, then numpy once fetched): its target's logprob and rank, and the top
+    MAX_LOGPROBS. Rows whose target is -1 hold the values for token 0 and are never read."""
+
+    logprobs: jax.Array  # [T] f32
+    ranks: jax.Array  # [T] i32
+    top_token_ids: jax.Array  # [T, K] i32
+    top_logprobs: jax.Array  # [T, K] f32
+
+
+def prompt_logprobs_of(model, hidden: jax.Array, targets: jax.Array) -> PromptLogprobs:
+    """Inside the step: ``hidden`` [T, E] (final, normed) and ``targets`` [T] i32 -> PromptLogprobs, computed
+    ``CHUNK`` rows at a time (lax.map), so that the step's memory grows by [CHUNK, V], not [T, V]."""
+    t, e = hidden.shape
+    c = min(t, CHUNK)
+    n = -(-t // c)
+    pad = n * c - t
+    rows = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, c, e)  # [n, c, E]
+    ids = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(n, c)  # [n, c]
+
+    def one(chunk):
+        h, tok = chunk
+        return token_logprobs(model.compute_logits(h).astype(jnp.float32), tok)
+
+    lp, rank, top_ids, top_lp = lax.map(one, (rows, ids))
+    flat = lambda a: a.reshape(n * c, *a.shape[2:])[:t]  # noqa: E731
+    return PromptLogprobs(flat(lp), flat(rank), flat(top_ids), flat(top_lp))
+
+
+def targets_for(seqs: list[ScheduledSeq], num_tokens_padded: int) -> Optional[np.ndarray]:
+    """[T] i32: for each token of a sequence that wants prompt logprobs, the prompt token after it (-1 past the
+    prompt's second-to-last token, for other sequences and for padding); None when no sequence wants them (the
+    plain step program runs)."""
+    if not any(seq.prompt_logprobs for seq in seqs):
+        return None
+    targets = np.full(num_tokens_padded, -1, np.int32)
+    offset = 0
+    for seq in seqs:
+        q = len(seq.token_ids)
+        if seq.prompt_logprobs:
+            end = min(seq.start_pos + q, seq.num_prompt_tokens - 1)  # positions p < end have a prompt token p + 1
+            if end > seq.start_pos:
+                targets[offset : offset + end - seq.start_pos] = seq.history[seq.start_pos + 1 : end + 1]
+        offset += q
+    return targets
+
+
+def store(seqs: list[ScheduledSeq], requests: list, out: PromptLogprobs) -> None:
+    """Put a fetched step's rows (numpy) on the requests that wanted them: ``request.prompt_logprobs[p]`` is the
+    entry of prompt position p (1 .. prompt length - 1), as (logprob, rank, top ids, top logprobs)."""
+    offset = 0
+    for seq, request in zip(seqs, requests):
+        q = len(seq.token_ids)
+        if seq.prompt_logprobs and request.prompt_logprobs is not None and not request.status.finished:
+            end = min(seq.start_pos + q, seq.num_prompt_tokens - 1)
+            for p in range(seq.start_pos, end):
+                i = offset + p - seq.start_pos
+                request.prompt_logprobs[p + 1] = (
+                    float(out.logprobs[i]), int(out.ranks[i]), out.top_token_ids[i], out.top_logprobs[i]
+                )
+        offset += q
+
+
+def as_list(
+    prompt_ids: list[int], rows: dict, k: int, entry: Callable[..., LogprobsDict]
+) -> list[Optional[LogprobsDict]]:
+    """RequestOutput.prompt_logprobs: None for the first token (nothing precedes it), then each position's dict
+    (the prompt token, then the ``k`` most likely), built by ``entry`` as the sampled tokens' are."""
+    out: list[Optional[LogprobsDict]] = [None]
+    for p in range(1, len(prompt_ids)):
+        lp, rank, top_ids, top_lps = rows[p]
+        out.append(entry(prompt_ids[p], lp, rank, top_ids, top_lps, k))
+    return out
+
+
+def complete(request) -> bool:
+    """Whether every prompt position past the first has its entry."""
+    return request.prompt_logprobs is not None and len(request.prompt_logprobs) >= len(request.prompt_token_ids) - 1
