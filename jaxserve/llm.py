@@ -132,9 +132,10 @@ class LLM:
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
         lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template
-        (``lora_request`` as in ``generate``)."""
+        (``lora_request`` as in ``generate``; ``continue_final_message``: see ``render_chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for c in conversations:
@@ -143,17 +144,20 @@ class LLM:
             from jaxserve.media import split_image_parts
 
             c, images = split_image_parts(c, self.engine_args.allowed_local_media_path)
-            prompt = {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
+            ids = self.apply_chat_template(c, chat_template, add_generation_prompt, continue_final_message)
+            prompt = {"prompt_token_ids": ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def apply_chat_template(self, conversation: Conversation, chat_template=None, add_generation_prompt=True):
+    def apply_chat_template(
+        self, conversation: Conversation, chat_template=None, add_generation_prompt=True, continue_final_message=False
+    ):
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer, but skip_tokenizer_init=True")
-        return render_chat(tok, conversation, chat_template, add_generation_prompt)
+        return render_chat(tok, conversation, chat_template, add_generation_prompt, continue_final_message)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -231,12 +235,19 @@ def _as_list(prompts) -> list:
     return list(prompts)
 
 
-def render_chat(tokenizer, conversation: Conversation, chat_template=None, add_generation_prompt=True) -> list[int]:
-    """Token ids of a conversation under the tokenizer's chat template (no double BOS)."""
+def render_chat(
+    tokenizer, conversation: Conversation, chat_template=None, add_generation_prompt=True, continue_final_message=False
+) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template (no double BOS). ``continue_final_message``
+    (vLLM's): the last message (usually the assistant's) is left open, so the model continues its text (a prefill)."""
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=True continues the last message, so it needs "
+                         "add_generation_prompt=False (a new turn would start after it)")
     out = tokenizer.apply_chat_template(
-        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
+        continue_final_message=continue_final_message,
     )
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
         out = out["input_ids"]

@@ -177,6 +177,11 @@ class LLMEngine:
             )
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.args.max_logprobs}")
+        if params.logit_bias:
+            outside = next((t for t in params.logit_bias if t >= vocab), None)
+            if outside is not None:
+                raise ValueError(f"logit_bias={{{outside}: ...}} is invalid: token id {outside} is outside the "
+                                 f"vocabulary [0, {vocab})")
         if params.prompt_logprobs is not None:
             if params.prompt_logprobs > self.args.max_logprobs:
                 raise ValueError(

@@ -589,8 +589,9 @@ class ModelRunner:
 
 def _sampler_key(md: SamplingMetadata) -> tuple:
     """What selects one compiled sampler: the row count, the static flags and the history width."""
-    return (md.num_rows, md.all_greedy, md.needs_penalties, md.needs_filters, md.needs_logprobs, md.needs_bans,
-            md.history.shape[1])
+    key = (md.num_rows, md.all_greedy, md.needs_penalties, md.needs_filters, md.needs_logprobs, md.needs_bans,
+           md.history.shape[1])
+    return key + (md.bias_ids.shape[1],) if md.needs_bias else key  # logit_bias: one program per width
 
 
 def _step_name(shape: tuple[int, int, bool], options: dict | None, shape_options: dict | None = None) -> str:

@@ -1,6 +1,6 @@
 """On-device sampling: one pure, jittable function from the last-token logits to the next tokens.
 
-Per row, in order: penalties on the raw logits -> greedy rows take the argmax -> temperature ->
+Per row, in order: logit bias and penalties on the raw logits -> greedy rows take the argmax -> temperature ->
 top-k -> top-p -> min-p -> a seeded Gumbel-max draw. Logprobs, when asked for, are those of the raw
 model distribution (before penalties and temperature), as vLLM reports by default.
 
@@ -59,7 +59,8 @@ class SamplerOutput:
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Next token per row from ``logits`` [S, V]; pure and jittable (``md``'s flags are static)."""
     raw = logits.astype(jnp.float32)  # [S, V]
-    logits = apply_penalties(raw, md) if md.needs_penalties else raw  # [S, V]
+    logits = apply_logit_bias(raw, md) if md.needs_bias else raw  # [S, V]
+    logits = apply_penalties(logits, md) if md.needs_penalties else logits  # [S, V]
     if md.needs_bans:  # static: an all-greedy batch without bans is a bare argmax of the logits
         logits = _apply_bans(logits, md.banned)  # [S, V]
     token_ids = argmax(logits)  # [S]
@@ -76,6 +77,13 @@ def _apply_bans(logits: jax.Array, banned: jax.Array) -> jax.Array:
     num_rows, vocab = logits.shape
     ids = jnp.where(banned >= 0, banned, vocab)  # [S, M]
     return logits.at[jnp.arange(num_rows)[:, None], ids].set(-jnp.inf, mode="drop")
+
+
+def apply_logit_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Each row's logit_bias added to its logits ([S, M] ids, -1 = none: sent out of range and dropped)."""
+    num_rows, vocab = logits.shape
+    ids = jnp.where(md.bias_ids >= 0, md.bias_ids, vocab)  # [S, M]
+    return logits.at[jnp.arange(num_rows)[:, None], ids].add(md.bias_values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:

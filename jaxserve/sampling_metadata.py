@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import jax
 import numpy as np
@@ -21,6 +21,8 @@ from jaxserve.scheduler_output import ScheduledSeq
 
 # Most tokens a row can ban at once: EOS ids plus stop_token_ids while min_tokens is not reached.
 MAX_BANNED = 16
+# The width of the logit-bias arrays is a power of two from this up (one sampler program per width).
+MIN_BIAS_WIDTH = 16
 
 
 def _static(default: bool = False):
@@ -53,6 +55,11 @@ class SamplingMetadata:
     needs_filters: bool = _static()  # some sampled row uses top-k / top-p / min-p
     needs_logprobs: bool = _static()  # some row asked for logprobs
     needs_bans: bool = _static()  # some row has banned tokens (min_tokens not reached yet)
+    needs_bias: bool = _static()  # some row has a logit_bias
+    # logit_bias: [S, M] i32 token ids whose logits get bias_values [S, M] f32 added, -1 padded. from_seqs makes
+    # them [S, 0] when no row has a bias (None: a hand-built batch without any).
+    bias_ids: Optional[jax.Array] = None
+    bias_values: Optional[jax.Array] = None
 
     @property
     def num_rows(self) -> int:
@@ -61,7 +68,7 @@ class SamplingMetadata:
     @property
     def plain_greedy(self) -> bool:
         """Every row takes the bare argmax of the model's logits: the step's own argmax is the sample."""
-        return self.all_greedy and not (self.needs_penalties or self.needs_logprobs or self.needs_bans)
+        return self.all_greedy and not (self.needs_penalties or self.needs_logprobs or self.needs_bans or self.needs_bias)
 
     @classmethod
     def from_seqs(cls, seqs: Sequence[ScheduledSeq], num_rows: int, history_len: int = 0) -> "SamplingMetadata":
@@ -126,6 +133,8 @@ class SamplingMetadata:
                     ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(seq.eos_token_ids))
                     banned[i, : len(ban)] = ban[:MAX_BANNED]
                     needs_bans |= len(ban) > 0
+        bias_ids, bias_values = _logit_bias(seqs, rows, num_rows) if any(sp.logit_bias for sp in unique) else (
+            np.full((num_rows, 0), -1, np.int32), np.zeros((num_rows, 0), np.float32))
         penalty_rows = [i for i in rows if seqs[i].sampling_params.uses_penalties] if needs_penalties else []
         history = _history(seqs, penalty_rows, num_rows, history_len) if needs_penalties else None
         return cls(
@@ -141,11 +150,14 @@ class SamplingMetadata:
             history=np.full((num_rows, 0), -1, np.int32) if history is None else history,
             prompt_lens=prompt_lens,
             banned=banned,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
             all_greedy=all_greedy,
             needs_penalties=needs_penalties,
             needs_filters=needs_filters and not all_greedy,
             needs_logprobs=needs_logprobs,
             needs_bans=needs_bans,
+            needs_bias=bias_ids.shape[1] > 0,
         )
 
     @classmethod
@@ -177,6 +189,19 @@ def _row_settings(sp: SamplingParams) -> tuple:
         sp.repetition_penalty,
         sp.top_k if filters else 0,
     )
+
+
+def _logit_bias(seqs: Sequence[ScheduledSeq], rows: list[int], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """([S, M] i32 ids, -1 padded; [S, M] f32 biases) of the sampled rows' logit_bias, M a power of two >= 16."""
+    biased = [(i, seqs[i].sampling_params.logit_bias) for i in rows if seqs[i].sampling_params.logit_bias]
+    longest = max(len(b) for _, b in biased)
+    width = max(MIN_BIAS_WIDTH, 1 << (longest - 1).bit_length())
+    ids = np.full((num_rows, width), -1, np.int32)
+    values = np.zeros((num_rows, width), np.float32)
+    for i, bias in biased:
+        ids[i, : len(bias)] = list(bias)
+        values[i, : len(bias)] = list(bias.values())
+    return ids, values
 
 
 def _history(seqs: Sequence[ScheduledSeq], rows: list[int], num_rows: int, history_len: int) -> np.ndarray:

@@ -7,6 +7,8 @@ from typing import Optional
 
 # The most top-logprob alternatives a request may ask for; the sampler always computes this many.
 MAX_LOGPROBS = 20
+# The most tokens one request may bias (OpenAI's limit for logit_bias).
+MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass
@@ -32,6 +34,9 @@ class SamplingParams:
     # Logprobs of the prompt's tokens (each given the tokens before it), with this many top alternatives each:
     # RequestOutput.prompt_logprobs. A request asking for them computes its whole prompt (no prefix-cache hits).
     prompt_logprobs: Optional[int] = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans a token, 100 all but
+    # forces it). Logprobs stay those of the model's own distribution, as vLLM reports them.
+    logit_bias: Optional[dict[int, float]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -81,12 +86,25 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             raise bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias is not None:
+            self._validate_logit_bias(bad)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
         if self.output_kind not in ("cumulative", "final_only"):
             raise bad("output_kind", self.output_kind, "must be 'cumulative' or 'final_only'")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "must be non-empty strings")
+
+    def _validate_logit_bias(self, bad) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", self.logit_bias, "must be a dict {token id: bias}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"<{len(self.logit_bias)} entries>", f"may bias at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", {token: bias}, "keys must be token ids (integers >= 0)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", {token: bias}, "biases must be numbers in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -49,6 +49,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, + this many top
+    logit_bias: Optional[dict[str, float]] = None  # OpenAI's: {"token id": bias in [-100, 100]}
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +92,7 @@ class _SamplingFields(_Request):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logit_bias=_token_bias(self.logit_bias),
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
@@ -102,6 +104,20 @@ class _SamplingFields(_Request):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _token_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias has string keys (JSON objects): token ids as integers, or a ValueError naming the key."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias={{{key!r}: {value}}} is invalid: keys must be token ids, e.g. "
+                             '{"1234": -100}') from None
+    return out
 
 
 # A prompt: text, a list of texts, token ids, or a list of token-id lists.
@@ -118,7 +134,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
 
     @field_validator("prompt")
     @classmethod
@@ -206,6 +221,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     # vLLM's extras.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new turn
     chat_template: Optional[str] = None  # a Jinja template to use instead of the model's
 
     @property
@@ -221,6 +237,7 @@ class TokenizeRequest(_Request):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: Optional[str] = None
     return_token_strs: bool = False
 

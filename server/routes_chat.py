@@ -54,7 +54,8 @@ def render_messages(state: ServerState, body) -> list[int]:
     tokenizer = state.need_tokenizer("chat")
     conversation = [m.as_template_dict() for m in body.messages]
     try:
-        return render_chat(tokenizer, conversation, body.chat_template, body.add_generation_prompt)
+        return render_chat(tokenizer, conversation, body.chat_template, body.add_generation_prompt,
+                           body.continue_final_message)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from None
 

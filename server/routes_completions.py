@@ -36,8 +36,6 @@ def _check_unsupported(body: CompletionRequest) -> None:
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of={body.best_of} is not supported; only best_of == n ({body.n})", param="best_of")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if body.max_tokens == 0 and not body.echo:
         raise bad_request(
             "max_tokens=0 generates nothing and, without echo, returns nothing: give max_tokens >= 1, or echo=true "

@@ -17,6 +17,8 @@ logits, one row each, so the step pays for the proposals it has, not for K per p
   acceptance uniform and the recovered draw take keys folded from it, so a seed gives the same text on any
   batch.
 
+A logit_bias is part of p: the plain sampler adds it, and so does ``_target_logits``.
+
 Penalties and min_tokens bans read the token history, which proposals would change mid-step, so the engine
 proposes nothing for such rows (they verify position 0 only, through the plain sampler, exactly as today).
 """
@@ -28,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sampler import _row_key, _top_k_top_p_threshold, argmax, sample
+from jaxserve.sampler import _row_key, _top_k_top_p_threshold, apply_logit_bias, argmax, sample
 from jaxserve.sampling_metadata import SamplingMetadata
 
 # Distinct streams folded from a position's key: the plain sampler's Gumbel draw uses the key itself.
@@ -87,6 +89,8 @@ def accept(
 def _target_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """The logits of the distribution a sampled row draws from (temperature, then the filters): the same
     steps as the sampler's draw, -inf where a filter removes a token. [R, V] -> [R, V]."""
+    if md.needs_bias:
+        logits = apply_logit_bias(logits, md)
     temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)  # [R]
     scaled = logits / temperature[:, None]
     if md.needs_filters:

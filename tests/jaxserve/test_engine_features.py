@@ -127,6 +127,20 @@ def test_chat_uses_template(llm):
     assert out.prompt_token_ids == list(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+def test_chat_continues_the_final_message(llm):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    out = llm.chat(messages, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    tok = llm.get_tokenizer()
+    closed = list(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
+    assert out.prompt_token_ids == list(tok.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                                continue_final_message=True))
+    assert len(out.prompt_token_ids) < len(closed)  # no end-of-turn after "hello there": the model continues it
+    assert tok.decode(out.prompt_token_ids).endswith("hello there")
+    with pytest.raises(ValueError, match="needs add_generation_prompt=False"):
+        llm.chat(messages, sp, use_tqdm=False, continue_final_message=True)
+
+
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
 _events: list[str] | None = None  # collecting while a list
 

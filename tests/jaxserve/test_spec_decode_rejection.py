@@ -23,7 +23,7 @@ LOGITS = np.log(np.array([[0.05, 0.4, 0.1, 0.2, 0.15, 0.1],  # position 0
                           [0.1, 0.1, 0.1, 0.5, 0.1, 0.1]], np.float32))  # position 2 (bonus)
 
 
-def _md(rows: int, temperature: float, top_k: int = 0, k: int = 2) -> SamplingMetadata:
+def _md(rows: int, temperature: float, top_k: int = 0, k: int = 2, bias=None) -> SamplingMetadata:
     seeds = np.repeat(np.arange(rows // (k + 1), dtype=np.uint32), k + 1)
     steps = np.tile(np.arange(k + 1, dtype=np.int32), rows // (k + 1))
     f = np.float32
@@ -32,11 +32,13 @@ def _md(rows: int, temperature: float, top_k: int = 0, k: int = 2) -> SamplingMe
         min_p=np.zeros(rows, f), presence_penalty=np.zeros(rows, f), frequency_penalty=np.zeros(rows, f),
         repetition_penalty=np.ones(rows, f), seeds=seeds, steps=steps, history=np.full((rows, 0), -1, np.int32),
         prompt_lens=np.zeros(rows, np.int32), banned=np.full((rows, MAX_BANNED), -1, np.int32),
-        all_greedy=temperature == 0, needs_filters=top_k > 0,
+        all_greedy=temperature == 0, needs_filters=top_k > 0, needs_bias=bias is not None,
+        bias_ids=None if bias is None else np.tile(np.array([list(bias)], np.int32), (rows, 1)),
+        bias_values=None if bias is None else np.tile(np.array([list(bias.values())], np.float32), (rows, 1)),
     )
 
 
-def _run(draft, temperature=1.0, top_k=0):
+def _run(draft, temperature=1.0, top_k=0, bias=None):
     k = len(draft)
     logits = jnp.asarray(np.tile(LOGITS[: k + 1], (N, 1)))  # [N*(K+1), V]: N sequences, K+1 rows each
     rows = np.stack([
@@ -44,13 +46,15 @@ def _run(draft, temperature=1.0, top_k=0):
         np.repeat(np.arange(N, dtype=np.int32), k + 1),  # its sequence
         np.tile(np.arange(k + 1, dtype=np.int32), N),  # its position
     ])  # fmt: skip
-    md = _md(N * (k + 1), temperature, top_k, k)
+    md = _md(N * (k + 1), temperature, top_k, k, bias)
     tokens, emitted, _ = accept(logits, jnp.asarray(rows), jnp.full(N, k, jnp.int32), md, k)
     return np.asarray(tokens), np.asarray(emitted)
 
 
-def _p(position, top_k=0):
+def _p(position, top_k=0, bias=None):
     p = np.exp(LOGITS[position].astype(np.float64))
+    for t, b in (bias or {}).items():  # logit_bias multiplies a token's odds by e^b
+        p[t] *= np.exp(b)
     if top_k:
         p[np.argsort(-p)[top_k:]] = 0
     return p / p.sum()
@@ -80,6 +84,14 @@ def test_emitted_tokens_follow_the_target_distribution():
 def test_with_top_k_the_target_is_the_filtered_distribution():
     tokens, _ = _run([0, 2], top_k=3)  # proposal 0 lies outside position 0's top 3: always rejected
     assert _chi2_ok(tokens[:, 0], _p(0, top_k=3))
+
+
+def test_with_logit_bias_the_target_is_the_biased_distribution():
+    bias = {0: 1.5, 3: -100.0}  # proposal 0 made likelier at position 0; token 3 never emitted
+    tokens, emitted = _run([0, 3], bias=bias)
+    assert _chi2_ok(tokens[:, 0], _p(0, bias=bias))
+    assert (emitted <= 2).all()  # proposal 3 is always rejected: p(3) = 0 under the bias
+    assert abs((emitted >= 2).mean() - _p(0, bias=bias)[0]) < 4 * np.sqrt(0.25 / N)
 
 
 def test_a_wrong_rule_would_fail():

@@ -154,6 +154,36 @@ def test_chat_logprobs_with_top_logprobs(client):
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
 
 
+def test_logit_bias_on_both_endpoints(client):
+    forced = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    token = client.completions.create(model="tiny", prompt=[1, 2, 42], max_tokens=1, temperature=0, echo=True,
+                                      logprobs=0, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens[2]
+    assert forced.choices[0].text == token * 4
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={"42": 100}, logprobs=True)
+    assert [t.token for t in chat.choices[0].logprobs.content] == [token] * 3
+    assert all(t.logprob < 0 for t in chat.choices[0].logprobs.content)  # the model's own logprobs, not biased
+
+
+def test_chat_continue_final_message(client, server):
+    import httpx
+
+    messages = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi, I am"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    open_ids = httpx.post(server.url + "/tokenize", json={"messages": messages, **cont}).json()["tokens"]
+    closed_ids = httpx.post(server.url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert len(open_ids) < len(closed_ids) and closed_ids[: len(open_ids)] == open_ids
+    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={**cont, "ignore_eos": True})
+    assert resp.usage.prompt_tokens == len(open_ids)
+    same = client.completions.create(model="tiny", prompt=open_ids, max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.choices[0].message.content == same.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt=False"):
+        client.chat.completions.create(model="tiny", messages=messages, extra_body={"continue_final_message": True})
+
+
 def test_token_id_prompts_and_prompt_lists(client):
     resp = client.completions.create(
         model="tiny", prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
