@@ -4,6 +4,7 @@ logprobs, and the grouping of n > 1 samples under one request id."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Optional
 
@@ -218,20 +219,22 @@ class OutputProcessor:
         if k is None or out.sampled_logprobs is None:
             return
         lp = float(out.sampled_logprobs[row])
-        entry = self._entry(token, lp, out.sampled_ranks[row], out.top_token_ids[row], out.top_logprobs[row], k)
+        entry = self._entry(token, lp, out.sampled_ranks[row], out.top_token_ids[row], out.top_logprobs[row], k,
+                            state.request.sampling_params.detokenize)
         if state.logprobs is None:
             state.logprobs = []
         state.logprobs.append(entry)
         state.cumulative_logprob = (state.cumulative_logprob or 0.0) + lp
 
-    def _entry(self, token: int, lp: float, rank, top_ids, top_lps, k: int) -> LogprobsDict:
+    def _entry(self, token: int, lp: float, rank, top_ids, top_lps, k: int, decode: bool = True) -> LogprobsDict:
         """One position's dict: ``token`` (its logprob and rank) first, then the ``k`` most likely, ranked by their
-        place in the top list."""
-        entry = {token: Logprob(lp, int(rank), self._decode(token))}
+        place in the top list; ``decode``: with each token's text (decoded_token)."""
+        text = self._decode if decode else _no_text
+        entry = {token: Logprob(lp, int(rank), text(token))}
         for tid, tlp in zip(top_ids[:k], top_lps[:k]):
             tid = int(tid)
             if tid not in entry:
-                entry[tid] = Logprob(float(tlp), len(entry) if tid != token else None, self._decode(tid))
+                entry[tid] = Logprob(float(tlp), len(entry) if tid != token else None, text(tid))
         for place, tid in enumerate(top_ids[:k], start=1):
             if int(tid) != token:
                 entry[int(tid)].rank = place
@@ -241,9 +244,14 @@ class OutputProcessor:
         """Build the group's prompt logprobs once its first sample has them all (prompt_logprobs.py)."""
         request = group.samples[0].request
         if group.prompt_logprobs is None and prompt_logprobs.complete(request):
-            k = request.sampling_params.prompt_logprobs
-            group.prompt_logprobs = prompt_logprobs.as_list(group.prompt_token_ids, request.prompt_logprobs, k,
-                                                            self._entry)
+            sp = request.sampling_params
+            entry = functools.partial(self._entry, decode=sp.detokenize)
+            group.prompt_logprobs = prompt_logprobs.as_list(group.prompt_token_ids, request.prompt_logprobs,
+                                                            sp.prompt_logprobs, entry)
 
     def _decode(self, token: int) -> Optional[str]:
         return decode_token(self.tokenizer, token) if self.tokenizer is not None else None
+
+
+def _no_text(token: int) -> None:
+    return None  # detokenize=False: logprobs without each token's text

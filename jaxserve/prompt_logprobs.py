@@ -82,17 +82,20 @@ def targets_for(seqs: list[ScheduledSeq], num_tokens_padded: int) -> Optional[np
 
 def store(seqs: list[ScheduledSeq], requests: list, out: PromptLogprobs) -> None:
     """Put a fetched step's rows (numpy) on the requests that wanted them: ``request.prompt_logprobs[p]`` is the
-    entry of prompt position p (1 .. prompt length - 1), as (logprob, rank, top ids, top logprobs)."""
+    entry of prompt position p (1 .. prompt length - 1), as (logprob, rank, top ids, top logprobs), the top
+    lists cut to the request's k. Each sequence's rows become Python lists in one call per array."""
     offset = 0
     for seq, request in zip(seqs, requests):
         q = len(seq.token_ids)
         if seq.prompt_logprobs and request.prompt_logprobs is not None and not request.status.finished:
-            end = min(seq.start_pos + q, seq.num_prompt_tokens - 1)
-            for p in range(seq.start_pos, end):
-                i = offset + p - seq.start_pos
-                request.prompt_logprobs[p + 1] = (
-                    float(out.logprobs[i]), int(out.ranks[i]), out.top_token_ids[i], out.top_logprobs[i]
-                )
+            n = min(seq.start_pos + q, seq.num_prompt_tokens - 1) - seq.start_pos  # tokens followed by a prompt token
+            if n > 0:
+                k = request.sampling_params.prompt_logprobs
+                rows = slice(offset, offset + n)
+                entries = zip(out.logprobs[rows].tolist(), out.ranks[rows].tolist(),
+                              out.top_token_ids[rows, :k].tolist(), out.top_logprobs[rows, :k].tolist())
+                for p, entry in enumerate(entries, start=seq.start_pos + 1):
+                    request.prompt_logprobs[p] = entry
         offset += q
 
 
