@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve import buckets, gemm_backend, kv_scale_calibration, launch_mode, sharding
+from jaxserve import buckets, gemm_backend, kv_scale_calibration, launch_mode, prompt_logprobs, sharding
 from jaxserve.batch_builder import StepInputs, build_step_inputs
 from jaxserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxserve.executable_store import ExecutableStore
@@ -46,7 +46,6 @@ from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import SamplerOutput, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxserve import prompt_logprobs
 from jaxserve.step_program import (
     dummy_inputs, forward_step, forward_step_with_prompt_logprobs, mm_kwargs, pack_inputs, run_model, sample_padded,
 )
@@ -229,7 +228,7 @@ class ModelRunner:
             )
             for decode_only in (False, True)
         }
-        self._plp_shapes: set[tuple[int, int, bool]] = set()  # those compiled so far (for the log line)
+        self._plp_programs: dict[tuple[int, int, bool], Any] = {}  # (T, B, decode_only) -> its program, once used
         self._sample = jax.jit(functools.partial(sample_padded, num_rows_max=self.max_rows))
         self._last_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), batch_sharding)  # [S_max]
         # calculate_kv_scales (kv_scale_calibration.py): the scales travel as one traced [L, 2] array, set from the
@@ -422,11 +421,8 @@ class ModelRunner:
         if targets is None:
             logits, greedy, self.kv_caches = self._program(key, args)(*args)
         else:
-            if key not in self._plp_shapes:
-                logger.info("compiling step shape tokens=%d ctx=%d with prompt logprobs on first use", key[0],
-                            key[1] * self.block_size)
-                self._plp_shapes.add(key)
-            logits, greedy, self.kv_caches, plp = self._plp_steps[decode_only](*args[:6], targets, *args[6:])
+            args = (*args[:6], targets, *args[6:])
+            logits, greedy, self.kv_caches, plp = self._plp_program(key, args)(*args)
         if sampling_md.plain_greedy:
             return SamplerOutput(token_ids=greedy), plp  # the step's own argmax: no sampler program to launch
         return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md), plp
@@ -575,6 +571,17 @@ class ModelRunner:
         if extra is None:
             return self._steps[key[2]]  # jit compiles it inside the call, once
         program = self._programs[key] = self._steps[key[2]].lower(*args).compile(extra)
+        return program
+
+    def _plp_program(self, key: tuple[int, int, bool], args: tuple):
+        """The prompt-logprobs step for ``key``, compiled on its first use with the shape's options, as ``_program``
+        compiles a step not compiled at start-up."""
+        program = self._plp_programs.get(key)
+        if program is None:
+            logger.info("compiling step shape tokens=%d ctx=%d with prompt logprobs on first use", key[0],
+                        key[1] * self.block_size)
+            jitted, extra = self._plp_steps[key[2]], self._shape_options(key[0])
+            program = self._plp_programs[key] = jitted if extra is None else jitted.lower(*args).compile(extra)
         return program
 
     def _dummy_args(self, t: int, b: int) -> tuple:
