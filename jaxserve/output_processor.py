@@ -97,6 +97,7 @@ class OutputProcessor:
         self.groups: dict[str, RequestGroup] = {}
         self.samples: dict[str, tuple[RequestGroup, SampleState]] = {}  # child request id -> state
         self.deferred_text: dict[str, SampleState] = {}  # the deferred samples with a detokenizer, by child id
+        self._token_text: dict[int, str] = {}  # token id -> decode_token's text (at most the vocabulary)
 
     def add(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
@@ -250,7 +251,11 @@ class OutputProcessor:
                                                             sp.prompt_logprobs, entry)
 
     def _decode(self, token: int) -> Optional[str]:
-        return decode_token(self.tokenizer, token) if self.tokenizer is not None else None
+        """A token's own text, decoded once per id (prompt logprobs decode k + 1 tokens per prompt position)."""
+        text = self._token_text.get(token)
+        if text is None and self.tokenizer is not None:
+            text = self._token_text[token] = decode_token(self.tokenizer, token)
+        return text
 
 
 def _no_text(token: int) -> None:
