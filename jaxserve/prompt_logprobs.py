@@ -71,13 +71,19 @@ def targets_for(seqs: list[ScheduledSeq], num_tokens_padded: int) -> Optional[np
     targets = np.full(num_tokens_padded, -1, np.int32)
     offset = 0
     for seq in seqs:
-        q = len(seq.token_ids)
-        if seq.prompt_logprobs:
-            end = min(seq.start_pos + q, seq.num_prompt_tokens - 1)  # positions p < end have a prompt token p + 1
-            if end > seq.start_pos:
-                targets[offset : offset + end - seq.start_pos] = seq.history[seq.start_pos + 1 : end + 1]
-        offset += q
+        n = _num_scored(seq)
+        if n > 0:
+            targets[offset : offset + n] = seq.history[seq.start_pos + 1 : seq.start_pos + n + 1]
+        offset += len(seq.token_ids)
     return targets
+
+
+def _num_scored(seq: ScheduledSeq) -> int:
+    """How many of the step's tokens of ``seq`` (its first ones) get a prompt logprob: those followed by a prompt
+    token, if the sequence wants them."""
+    if not seq.prompt_logprobs:
+        return 0
+    return max(0, min(len(seq.token_ids), seq.num_prompt_tokens - 1 - seq.start_pos))
 
 
 def store(seqs: list[ScheduledSeq], requests: list, out: PromptLogprobs) -> None:
@@ -86,17 +92,15 @@ def store(seqs: list[ScheduledSeq], requests: list, out: PromptLogprobs) -> None
     lists cut to the request's k. Each sequence's rows become Python lists in one call per array."""
     offset = 0
     for seq, request in zip(seqs, requests):
-        q = len(seq.token_ids)
-        if seq.prompt_logprobs and request.prompt_logprobs is not None and not request.status.finished:
-            n = min(seq.start_pos + q, seq.num_prompt_tokens - 1) - seq.start_pos  # tokens followed by a prompt token
-            if n > 0:
-                k = request.sampling_params.prompt_logprobs
-                rows = slice(offset, offset + n)
-                entries = zip(out.logprobs[rows].tolist(), out.ranks[rows].tolist(),
-                              out.top_token_ids[rows, :k].tolist(), out.top_logprobs[rows, :k].tolist())
-                for p, entry in enumerate(entries, start=seq.start_pos + 1):
-                    request.prompt_logprobs[p] = entry
-        offset += q
+        n = _num_scored(seq)
+        if n > 0 and request.prompt_logprobs is not None and not request.status.finished:
+            k = request.sampling_params.prompt_logprobs
+            rows = slice(offset, offset + n)
+            entries = zip(out.logprobs[rows].tolist(), out.ranks[rows].tolist(),
+                          out.top_token_ids[rows, :k].tolist(), out.top_logprobs[rows, :k].tolist())
+            for p, entry in enumerate(entries, start=seq.start_pos + 1):
+                request.prompt_logprobs[p] = entry
+        offset += len(seq.token_ids)
 
 
 def as_list(

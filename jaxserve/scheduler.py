@@ -222,8 +222,7 @@ class Scheduler:
                 break  # preempted with a token in flight: admit it once that token is known (next step)
             # Prompt logprobs need every prompt token computed: no prefix-cache hits for them (prompt_logprobs.py).
             computed_blocks, num_cached = (
-                ([], 0) if request.prompt_logprobs is not None and request.needs_prompt_logprobs
-                else self.kv.get_computed_blocks(request)
+                ([], 0) if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
             )  # fmt: skip
             remaining = request.num_tokens - num_cached
             if not self.enable_chunked_prefill and remaining > budget:

@@ -51,10 +51,7 @@ def forward_step(
         graphdef, treedef, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields, prev_tokens,
         kv_scales, mm, native_products,
     )
-    with cpu_native.products(native_products):
-        logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
-    greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
-    return logits, greedy, kv_caches
+    return *_last_token_logits(model, hidden, md, num_rows_max, native_products), kv_caches
 
 
 def forward_step_with_prompt_logprobs(
@@ -69,10 +66,15 @@ def forward_step_with_prompt_logprobs(
         graphdef, treedef, decode_only, lora_spec, aux_layers, params, kv_caches, tok_fields, seq_fields, prev_tokens,
         kv_scales, mm, native_products,
     )
-    with cpu_native.products(native_products):  # as forward_step: the same logits, so the same samples
-        logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
-    greedy = jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))  # [S_max]
+    logits, greedy = _last_token_logits(model, hidden, md, num_rows_max, native_products)  # as forward_step's
     return logits, greedy, kv_caches, prompt_logprobs_of(model, hidden, targets)
+
+
+def _last_token_logits(model, hidden, md: AttentionMetadata, num_rows_max: int, native_products: bool):
+    """(logits of each sequence's last token [S, V] f32, their argmax padded to [S_max])."""
+    with cpu_native.products(native_products):
+        logits = model.compute_logits(hidden[md.logits_indices])  # [S, V] f32
+    return logits, jnp.pad(argmax(logits), (0, num_rows_max - logits.shape[0]))
 
 
 def _model_over_step(

@@ -33,19 +33,15 @@ def completion_logprobs(
     out = into if into is not None else CompletionLogprobs()
     offset = text_offset
     for token_id, entry in zip(token_ids, entries):
-        if entry is None:
-            text = _token_str(token_id, decode(token_id) if decode is not None else None)
-            out.tokens.append(text)
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            out.text_offset.append(offset)
-            offset += len(text)
-            continue
-        sampled = entry.get(token_id)
-        text = _token_str(token_id, sampled.decoded_token if sampled else None)
+        sampled = entry.get(token_id) if entry is not None else None
+        if sampled is not None:
+            decoded = sampled.decoded_token
+        else:
+            decoded = decode(token_id) if entry is None and decode is not None else None
+        text = _token_str(token_id, decoded)
         out.tokens.append(text)
         out.token_logprobs.append(sampled.logprob if sampled else None)
-        out.top_logprobs.append({
+        out.top_logprobs.append(None if entry is None else {
             _token_str(t, lp.decoded_token): lp.logprob for t, lp in entry.items()
             if top is None or t == token_id or (lp.rank is not None and lp.rank <= top)
         })  # fmt: skip

@@ -61,10 +61,11 @@ def main(req_path: str, res_path: str) -> None:
     import torch
     import transformers
 
+    from jaxserve.bench.hf_generate import torch_device_and_sync
+
     with open(req_path) as f:
         spec = json.load(f)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device, sync = torch_device_and_sync()
     t0 = time.perf_counter()
     model = _load(spec["model"], getattr(torch, spec["dtype"]), device).eval()
     startup_s = time.perf_counter() - t0

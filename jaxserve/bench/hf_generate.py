@@ -33,6 +33,14 @@ def run_in_subprocess(model_path: str, work, batch_size: int, dtype: str = "floa
             return json.load(f)
 
 
+def torch_device_and_sync():
+    """(the GPU if torch sees one, else the CPU; a function that waits for the device's queued work)."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device, torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def _has_weights(path: str) -> bool:
     return any(f.endswith((".safetensors", ".bin", ".pt")) for f in os.listdir(path))
 
@@ -58,7 +66,7 @@ def main(req_path: str, res_path: str) -> None:
 
     with open(req_path) as f:
         spec = json.load(f)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device, sync = torch_device_and_sync()
     dtype_name = spec.get("dtype", "float32")
     t0 = time.perf_counter()
     model = load_model(spec["model"], dtype_name, device)
@@ -67,7 +75,6 @@ def main(req_path: str, res_path: str) -> None:
     reqs = spec["requests"]
     bs = spec["batch_size"]
     pad = 0
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run_batch(batch) -> float:
         longest_in = max(len(p) for p, _ in batch)

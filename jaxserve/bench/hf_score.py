@@ -31,12 +31,11 @@ def main(req_path: str, res_path: str) -> None:
     import torch
     import transformers
 
-    from jaxserve.bench.hf_generate import load_model
+    from jaxserve.bench.hf_generate import load_model, torch_device_and_sync
 
     with open(req_path) as f:
         spec = json.load(f)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device, sync = torch_device_and_sync()
     t0 = time.perf_counter()
     model = load_model(spec["model"], spec["dtype"], device)
     model.eval()

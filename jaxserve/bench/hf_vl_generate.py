@@ -34,14 +34,14 @@ def main(spec_path: str, res_path: str) -> None:
     import torch
     import transformers
 
+    from jaxserve.bench.hf_generate import torch_device_and_sync
     from jaxserve.bench.vl import make_workload
     from jaxserve.models.loader.qwen2_vl import read_qwen2_vl_config
     from jaxserve.models.qwen2_vl_image import Qwen2VLImageProcessor
 
     with open(spec_path) as f:
         spec = json.load(f)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device, sync = torch_device_and_sync()
     t0 = time.perf_counter()
     model = load_model(spec["model"], spec["dtype"], device).eval()
     startup_s = time.perf_counter() - t0
