@@ -229,7 +229,7 @@ class LLMEngine:
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
             if params.prompt_logprobs is not None and i == 0:  # one sample computes them for the group
-                req.prompt_logprobs = {}
+                req.prompt_logprobs = prompt_logprobs.Rows(len(prompt_ids), params.prompt_logprobs)
             samples.append(SampleState(request=req, index=i, detokenizer=detok))
         group = RequestGroup(request_id, text, prompt_ids, samples, arrival)
         self.output_processor.add(group)

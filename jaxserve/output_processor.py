@@ -220,35 +220,31 @@ class OutputProcessor:
         if k is None or out.sampled_logprobs is None:
             return
         lp = float(out.sampled_logprobs[row])
-        entry = self._entry(token, lp, out.sampled_ranks[row], out.top_token_ids[row], out.top_logprobs[row], k,
+        entry = self._entry(token, lp, out.sampled_ranks[row], out.top_token_ids[row][:k], out.top_logprobs[row][:k],
                             state.request.sampling_params.detokenize)
         if state.logprobs is None:
             state.logprobs = []
         state.logprobs.append(entry)
         state.cumulative_logprob = (state.cumulative_logprob or 0.0) + lp
 
-    def _entry(self, token: int, lp: float, rank, top_ids, top_lps, k: int, decode: bool = True) -> LogprobsDict:
-        """One position's dict: ``token`` (its logprob and rank) first, then the ``k`` most likely, ranked by their
-        place in the top list; ``decode``: with each token's text (decoded_token)."""
+    def _entry(self, token: int, lp: float, rank: int, top_ids: list, top_lps: list, decode: bool = True
+               ) -> LogprobsDict:  # fmt: skip
+        """One position's dict: ``token`` (its logprob and rank) first, then the top alternatives (Python lists,
+        already cut to the request's k) ranked by their place in that list; ``decode``: with each token's text
+        (decoded_token). Prompt logprobs call this once per prompt token, so it stays lean."""
         text = self._decode if decode else _no_text
-        entry = {token: Logprob(lp, int(rank), text(token))}
-        for tid, tlp in zip(top_ids[:k], top_lps[:k]):
-            tid = int(tid)
-            if tid not in entry:
-                entry[tid] = Logprob(float(tlp), len(entry) if tid != token else None, text(tid))
-        for place, tid in enumerate(top_ids[:k], start=1):
-            if int(tid) != token:
-                entry[int(tid)].rank = place
+        entry = {token: Logprob(lp, rank, text(token))}
+        for place, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
+            if tid != token:
+                entry[tid] = Logprob(tlp, place, text(tid))
         return entry
 
     def _prompt_logprobs(self, group: RequestGroup) -> None:
         """Build the group's prompt logprobs once its first sample has them all (prompt_logprobs.py)."""
         request = group.samples[0].request
         if group.prompt_logprobs is None and prompt_logprobs.complete(request):
-            sp = request.sampling_params
-            entry = functools.partial(self._entry, decode=sp.detokenize)
-            group.prompt_logprobs = prompt_logprobs.as_list(group.prompt_token_ids, request.prompt_logprobs,
-                                                            sp.prompt_logprobs, entry)
+            entry = functools.partial(self._entry, decode=request.sampling_params.detokenize)
+            group.prompt_logprobs = prompt_logprobs.as_list(group.prompt_token_ids, request.prompt_logprobs, entry)
 
     def _decode(self, token: int) -> Optional[str]:
         """A token's own text, decoded once per id (prompt logprobs decode k + 1 tokens per prompt position)."""

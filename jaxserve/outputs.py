@@ -9,7 +9,7 @@ from typing import Optional
 LogprobsDict = dict[int, "Logprob"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # one per logprob entry: prompt logprobs make one or more per prompt token
 class Logprob:
     logprob: float
     rank: Optional[int] = None  # 1 = most likely under the model

@@ -77,14 +77,14 @@ class Request:
         # Images of a vision-language prompt (jaxserve.multimodal.MultiModalInputs: content hashes, pixels,
         # placeholder offsets, M-RoPE rows), or None for text. Read by the runner and the prefix-cache hashes.
         self.mm = mm
-        # With SamplingParams.prompt_logprobs (the first sample of a group only): prompt position -> (logprob, rank,
-        # top ids, top logprobs), filled as its prompt is computed (jaxserve.prompt_logprobs). None: not wanted.
-        self.prompt_logprobs: Optional[dict[int, tuple]] = None
+        # With SamplingParams.prompt_logprobs (the first sample of a group only): jaxserve.prompt_logprobs.Rows,
+        # filled as its prompt is computed. None: not wanted.
+        self.prompt_logprobs = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs are wanted and some are still missing: admit it without prefix-cache hits."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.complete
 
     @property
     def lora_int_id(self) -> int:

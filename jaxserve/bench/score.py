@@ -64,9 +64,11 @@ def run(ns: argparse.Namespace) -> int:
     plain = SamplingParams(temperature=0.0, max_tokens=1)
     # Warm-up: every step shape the runs reach, with and without prompt logprobs (the scoring variants compile on
     # first use), outside the timings.
+    # The cache is emptied before every plain run: one that read the blocks an earlier run cached would prefill
+    # only each prompt's last token, warm up the wrong shapes, and leave the timed run to compile its own.
     llm.generate(batch, scored, use_tqdm=False)
+    _reset_prefix_cache(engine)
     llm.generate(batch, plain, use_tqdm=False)
-    _reset_prefix_cache(engine)  # the plain run below must prefill, not read the warm-up's blocks
     start = time.perf_counter()
     outs = llm.generate(batch, scored, use_tqdm=True)
     elapsed = time.perf_counter() - start

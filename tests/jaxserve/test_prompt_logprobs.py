@@ -178,3 +178,38 @@ def test_refused_with_speculative_decoding():
     llm = speculative_engine({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     with pytest.raises(ValueError, match="prompt_logprobs is not supported with speculative decoding"):
         llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+
+
+def test_rows_overwrite_and_the_build_leaves_gc_as_it_was():
+    """Host side alone: a chunk stored twice (recompute) overwrites its rows; the dicts put the prompt token first
+    with its own rank, then the top-k by place; the garbage collector is paused only while they are built."""
+    import gc
+
+    from jaxserve.outputs import Logprob
+    from jaxserve.prompt_logprobs import PromptLogprobs, Rows, as_list
+
+    k, t = 2, 4
+    step = PromptLogprobs(np.arange(t, dtype=np.float32) - 9, np.array([3, 1, 2, 1], np.int32),
+                          np.array([[7, 8, 9]] * t, np.int32), np.full((t, 3), -0.5, np.float32))
+    rows = Rows(num_prompt_tokens=5, k=k)  # positions 1..4
+    rows.put(1, step, slice(0, 2))
+    assert not rows.complete and rows.num_filled == 2
+    rows.put(1, step, slice(0, 2))  # the same chunk again
+    assert rows.num_filled == 2
+    rows.put(3, step, slice(2, 4))
+    assert rows.complete
+
+    def entry(token, lp, rank, top_ids, top_lps):
+        return {token: Logprob(lp, rank), **{i: Logprob(v, p) for p, (i, v) in enumerate(zip(top_ids, top_lps), 1)
+                                            if i != token}}
+
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            out = as_list([1, 5, 8, 6, 7], rows, entry)
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+    assert out[0] is None and len(out) == 5
+    assert list(out[1]) == [5, 7, 8] and out[1][5] == Logprob(-9.0, 3) and out[1][8] == Logprob(-0.5, 2)
+    assert list(out[2]) == [8, 7] and out[2][8].rank == 1  # the prompt token keeps its own rank
