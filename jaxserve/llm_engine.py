@@ -74,6 +74,7 @@ class LLMEngine:
         self.runner = c.runner
         self.scheduler = c.scheduler
         self.eos_token_ids = c.eos_token_ids
+        self._grammar_compiler = None  # structured outputs' (jaxserve.structured_output), made on first use
         self.output_processor = OutputProcessor(self.tokenizer)
         # While a step computes on an accelerator, the host detokenizes what deferred requests have so far
         # (OutputProcessor.catch_up_deferred). Not on CPU, where the host's Python and XLA's step share the cores.
@@ -192,6 +193,11 @@ class LLMEngine:
                     "prompt_logprobs is not supported with speculative decoding (its verify steps score only the "
                     "proposals); leave prompt_logprobs unset or start the engine without speculative_config"
                 )
+        if params.structured_outputs is not None and self.args.speculative_config is not None:
+            raise ValueError(
+                "structured_outputs is not supported with speculative decoding yet (its proposals are not checked "
+                "against the grammar); leave it unset or start the engine without speculative_config"
+            )
 
     def add_request(
         self,
@@ -217,6 +223,7 @@ class LLMEngine:
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
         samples = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
@@ -230,11 +237,22 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
             if params.prompt_logprobs is not None and i == 0:  # one sample computes them for the group
                 req.prompt_logprobs = prompt_logprobs.Rows(len(prompt_ids), params.prompt_logprobs)
+            if grammar is not None:  # each sample walks the grammar on its own
+                req.grammar = grammar if i == 0 else grammar.copy()
             samples.append(SampleState(request=req, index=i, detokenizer=detok))
         group = RequestGroup(request_id, text, prompt_ids, samples, arrival)
         self.output_processor.add(group)
         for s in samples:
             self.scheduler.add_request(s.request)
+
+    def _compile_grammar(self, params: SamplingParams):
+        """A matcher for the request's structured_outputs (jaxserve.structured_output); ValueError if it does not
+        compile. The engine's compiler is made on the first such request."""
+        if self._grammar_compiler is None:
+            from jaxserve.structured_output import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.text_config.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler.compile(params.structured_outputs)
 
     # ------------------------------------------------------------------ LoRA adapters
 
@@ -314,8 +332,8 @@ class LLMEngine:
         if self._deferred is not None or self._held_outputs:  # left by speculative steps (speculation switched off)
             outputs = self._held_outputs + self._flush_deferred() + outputs
             self._held_outputs = []
-        if self._in_flight is not None and self.scheduler.has_pending_penalty_rows():
-            # Penalties read the whole history on the host: let the in-flight token arrive first.
+        if self._in_flight is not None and self.scheduler.has_pending_host_token_rows():
+            # Penalties read the whole history on the host, a grammar its last token: let the in-flight one arrive.
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
         sched = self.scheduler.schedule()

@@ -595,10 +595,12 @@ class ModelRunner:
 
 
 def _sampler_key(md: SamplingMetadata) -> tuple:
-    """What selects one compiled sampler: the row count, the static flags and the history width."""
+    """What selects one compiled sampler: the row count, the static flags, the history width, and with a logit_bias
+    or a grammar's mask the widths of those arrays (one program per pair)."""
     key = (md.num_rows, md.all_greedy, md.needs_penalties, md.needs_filters, md.needs_logprobs, md.needs_bans,
            md.history.shape[1])
-    return key + (md.bias_ids.shape[1],) if md.needs_bias else key  # logit_bias: one program per width
+    widths = (md.bias_ids.shape[1] if md.needs_bias else 0, md.token_mask.shape[1] if md.needs_mask else 0)
+    return key + widths if any(widths) else key
 
 
 def _step_name(shape: tuple[int, int, bool], options: dict | None, shape_options: dict | None = None) -> str:

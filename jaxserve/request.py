@@ -80,6 +80,8 @@ class Request:
         # With SamplingParams.prompt_logprobs (the first sample of a group only): jaxserve.prompt_logprobs.Rows,
         # filled as its prompt is computed. None: not wanted.
         self.prompt_logprobs = None
+        # With SamplingParams.structured_outputs: this sample's jaxserve.structured_output.Grammar.
+        self.grammar = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -1,8 +1,8 @@
 """On-device sampling: one pure, jittable function from the last-token logits to the next tokens.
 
-Per row, in order: logit bias and penalties on the raw logits -> greedy rows take the argmax -> temperature ->
-top-k -> top-p -> min-p -> a seeded Gumbel-max draw. Logprobs, when asked for, are those of the raw
-model distribution (before penalties and temperature), as vLLM reports by default.
+Per row, in order: logit bias, penalties, bans and a grammar's mask on the raw logits -> greedy rows take the
+argmax -> temperature -> top-k -> top-p -> min-p -> a seeded Gumbel-max draw. Logprobs, when asked for, are
+those of the raw model distribution (before penalties and temperature), as vLLM reports by default.
 
 Filters as one threshold. Top-k, top-p and min-p each keep the tokens whose probability is at or
 above some per-row value, and applying them in order keeps ``p >= max(t_k, t_p, t_min)``: min-p's
@@ -63,6 +63,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     logits = apply_penalties(logits, md) if md.needs_penalties else logits  # [S, V]
     if md.needs_bans:  # static: an all-greedy batch without bans is a bare argmax of the logits
         logits = _apply_bans(logits, md.banned)  # [S, V]
+    if md.needs_mask:
+        logits = apply_token_mask(logits, md.token_mask)  # [S, V]
     token_ids = argmax(logits)  # [S]
     if not md.all_greedy:
         drawn = _draw(logits, md)  # [S]
@@ -77,6 +79,14 @@ def _apply_bans(logits: jax.Array, banned: jax.Array) -> jax.Array:
     num_rows, vocab = logits.shape
     ids = jnp.where(banned >= 0, banned, vocab)  # [S, M]
     return logits.at[jnp.arange(num_rows)[:, None], ids].set(-jnp.inf, mode="drop")
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """-inf at every token a row's grammar does not allow: ``mask`` [S, W] i32 holds token t at bit t % 32 of word
+    t // 32 (jaxserve.structured_output); rows without a grammar are all ones."""
+    ids = jnp.arange(logits.shape[-1])  # [V]
+    allowed = (mask[:, ids // 32] >> (ids % 32)) & 1  # [S, V]: an arithmetic shift, so bit 31 reads right too
+    return jnp.where(allowed != 0, logits, -jnp.inf)
 
 
 def apply_logit_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:

@@ -1,6 +1,6 @@
 """SamplingMetadata: each row's sampling settings as arrays, padded to the runner's S bucket.
 
-Built on the host with numpy (``from_seqs``), passed into the jitted sampler as a pytree. The five
+Built on the host with numpy (``from_seqs``), passed into the jitted sampler as a pytree. The
 flags are static (part of the jit cache key, not traced), so a batch that uses no penalties, filters
 or logprobs compiles to a sampler that never computes them. The runner compiles the common flag
 combinations at start-up (``warmup_variants``).
@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import ScheduledSeq
+from jaxserve.structured_output import token_masks
 
 
 # Most tokens a row can ban at once: EOS ids plus stop_token_ids while min_tokens is not reached.
@@ -60,6 +61,10 @@ class SamplingMetadata:
     # them [S, 0] when no row has a bias (None: a hand-built batch without any).
     bias_ids: Optional[jax.Array] = None
     bias_values: Optional[jax.Array] = None
+    # Structured outputs: [S, W] i32 bitmask of the tokens each row may sample (bit t % 32 of word t // 32; -1 for
+    # rows without a grammar); [S, 0] when no row has one (None: a hand-built batch without any).
+    token_mask: Optional[jax.Array] = None
+    needs_mask: bool = _static()  # some row samples under a grammar
 
     @property
     def num_rows(self) -> int:
@@ -68,7 +73,9 @@ class SamplingMetadata:
     @property
     def plain_greedy(self) -> bool:
         """Every row takes the bare argmax of the model's logits: the step's own argmax is the sample."""
-        return self.all_greedy and not (self.needs_penalties or self.needs_logprobs or self.needs_bans or self.needs_bias)
+        return self.all_greedy and not (
+            self.needs_penalties or self.needs_logprobs or self.needs_bans or self.needs_bias or self.needs_mask
+        )
 
     @classmethod
     def from_seqs(cls, seqs: Sequence[ScheduledSeq], num_rows: int, history_len: int = 0) -> "SamplingMetadata":
@@ -135,6 +142,9 @@ class SamplingMetadata:
                     needs_bans |= len(ban) > 0
         bias_ids, bias_values = _logit_bias(seqs, rows, num_rows) if any(sp.logit_bias for sp in unique) else (
             np.full((num_rows, 0), -1, np.int32), np.zeros((num_rows, 0), np.float32))
+        grammar_rows = [i for i in rows if seqs[i].grammar is not None] if any(
+            sp.structured_outputs is not None for sp in unique) else []
+        token_mask = token_masks(seqs, grammar_rows, num_rows) if grammar_rows else np.full((num_rows, 0), -1, np.int32)
         penalty_rows = [i for i in rows if seqs[i].sampling_params.uses_penalties] if needs_penalties else []
         history = _history(seqs, penalty_rows, num_rows, history_len) if needs_penalties else None
         return cls(
@@ -152,12 +162,14 @@ class SamplingMetadata:
             banned=banned,
             bias_ids=bias_ids,
             bias_values=bias_values,
+            token_mask=token_mask,
             all_greedy=all_greedy,
             needs_penalties=needs_penalties,
             needs_filters=needs_filters and not all_greedy,
             needs_logprobs=needs_logprobs,
             needs_bans=needs_bans,
             needs_bias=bias_ids.shape[1] > 0,
+            needs_mask=token_mask.shape[1] > 0,
         )
 
     @classmethod

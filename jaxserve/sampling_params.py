@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from jaxserve.structured_output import StructuredOutputsParams
+
 # The most top-logprob alternatives a request may ask for; the sampler always computes this many.
 MAX_LOGPROBS = 20
 # The most tokens one request may bias (OpenAI's limit for logit_bias).
@@ -37,6 +39,9 @@ class SamplingParams:
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans a token, 100 all but
     # forces it). Logprobs stay those of the model's own distribution, as vLLM reports them.
     logit_bias: Optional[dict[int, float]] = None
+    # Constrain the output to a JSON schema, any JSON object, a regex, a choice or a Lark grammar
+    # (jaxserve.structured_output). A dict of StructuredOutputsParams's fields is accepted too.
+    structured_outputs: Optional[StructuredOutputsParams] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -52,6 +57,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -113,6 +120,12 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """The next step's inputs need every token sampled so far on the host (penalties read the history, a
+        grammar's mask follows the tokens taken): the asynchronous loop reads the step in flight back first."""
+        return self.uses_penalties or self.structured_outputs is not None
 
     @property
     def uses_filters(self) -> bool:

@@ -71,7 +71,7 @@ class Scheduler:
         # so a request ends with "length" once it fills the cache, even if max_model_len is larger.
         self.max_len = min(max_model_len, self.kv.max_num_tokens)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
-        self._num_penalty_requests = 0  # of those, the ones using penalties (most steps have none to look for)
+        self._num_host_token_requests = 0  # of those, the ones with SamplingParams.needs_host_tokens (usually none)
         self.waiting: collections.deque[Request] = collections.deque()  # FIFO; preempted go in front
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0  # total, for metrics
@@ -137,7 +137,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._num_penalty_requests += request.sampling_params.uses_penalties
+        self._num_host_token_requests += request.sampling_params.needs_host_tokens
         self.waiting.append(request)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -151,7 +151,7 @@ class Scheduler:
             request = self.requests.pop(req_id, None)
             if request is None:
                 continue
-            self._num_penalty_requests -= request.sampling_params.uses_penalties
+            self._num_host_token_requests -= request.sampling_params.needs_host_tokens
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -270,6 +270,10 @@ class Scheduler:
                     request.output_token_ids.append(token)  # append_output_token, inline: every request every step
                     request.all_token_ids.append(token)
                     self._check_stop(request)
+                    if request.grammar is not None and request.status is not RequestStatus.FINISHED_STOPPED:
+                        # A token that completes the grammar is a stop, even where it also reaches a length limit.
+                        if not request.grammar.accept(token):
+                            request.status = RequestStatus.FINISHED_STOPPED
                 else:
                     tokens = emitted[row]
                     num_emitted = len(tokens)
@@ -291,7 +295,7 @@ class Scheduler:
                 any_finished = True
                 request.num_pending_tokens = 0  # a token the next step computed past the end is dropped
                 del self.requests[request.request_id]
-                self._num_penalty_requests -= request.sampling_params.uses_penalties
+                self._num_host_token_requests -= request.sampling_params.needs_host_tokens
                 self.kv.free(request)
                 if request in self.waiting:  # preempted while its last token was in flight
                     self.waiting.remove(request)
@@ -299,12 +303,12 @@ class Scheduler:
             self.running = [r for r in self.running if not r.status.finished]
         return updated
 
-    def has_pending_penalty_rows(self) -> bool:
-        """Whether a running request with a token in flight uses penalties: its next step needs the whole
-        history on the host, so the engine reads the step in flight back before scheduling."""
-        if not self._num_penalty_requests:
+    def has_pending_host_token_rows(self) -> bool:
+        """Whether a running request with a token in flight needs its tokens on the host (penalties, a grammar):
+        its next step needs that token, so the engine reads the step in flight back before scheduling."""
+        if not self._num_host_token_requests:
             return False
-        return any(r.num_pending_tokens and r.sampling_params.uses_penalties for r in self.running)
+        return any(r.num_pending_tokens and r.sampling_params.needs_host_tokens for r in self.running)
 
     # ---- helpers ----
 
@@ -385,6 +389,7 @@ class Scheduler:
             request.lora_request,
             request.mm,
             request.prompt_logprobs is not None and start < len(request.prompt_token_ids) - 1,  # prompt_logprobs
+            request.grammar,
         )
         request.num_computed_tokens = end + len(spec)
         if sample:

@@ -38,6 +38,8 @@ class ScheduledSeq:
     mm: Any = None
     # This step's tokens of the prompt should be scored for prompt logprobs (jaxserve.prompt_logprobs).
     prompt_logprobs: bool = False
+    # With structured outputs: the sample's jaxserve.structured_output.Grammar (its mask is filled at input building).
+    grammar: Any = None
 
 
 @dataclasses.dataclass

@@ -53,9 +53,10 @@ def bad_request(message: str, param: Optional[str] = None) -> APIError:
 
 
 def from_value_error(e: ValueError) -> APIError:
-    """A 400 for the engine's own validation; its messages start "SamplingParams.field=value is invalid"."""
+    """A 400 for the engine's own validation; its messages start "SamplingParams.field=value is invalid" (or
+    "structured_outputs.kind does not compile")."""
     message = str(e)
-    found = re.match(r"(?:SamplingParams\.)?([a-z_]+)=", message)
+    found = re.match(r"(?:SamplingParams\.)?([a-z_]+(?:\.[a-z_]+)?)(?:=| does not compile)", message)
     return bad_request(message, param=found.group(1) if found else None)
 
 

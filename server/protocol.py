@@ -50,6 +50,14 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, + this many top
     logit_bias: Optional[dict[str, float]] = None  # OpenAI's: {"token id": bias in [-100, 100]}
+    # Structured outputs, three spellings: OpenAI's response_format (json_object, json_schema), vLLM's
+    # structured_outputs {json | regex | choice | grammar | json_object} and its older guided_* fields.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -93,9 +101,33 @@ class _SamplingFields(_Request):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             logit_bias=_token_bias(self.logit_bias),
+            structured_outputs=self._structured_outputs(),
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+
+    def _structured_outputs(self) -> Optional[dict[str, Any]]:
+        """The one constraint the body asks for, as StructuredOutputsParams's fields; ValueError when it asks in
+        more than one way."""
+        asked: dict[str, dict[str, Any]] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked["response_format"] = {"json_object": True}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError('response_format={"type": "json_schema"} is invalid: it needs json_schema.schema, '
+                                 'e.g. {"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}')
+            asked["response_format"] = {"json": fmt.json_schema.json_schema}
+        if self.structured_outputs is not None:
+            asked["structured_outputs"] = self.structured_outputs
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                asked[f"guided_{kind}"] = {kind: value}
+        if len(asked) > 1:
+            raise ValueError(f"{next(iter(asked))}=... is invalid together with {', '.join(list(asked)[1:])}: ask "
+                             "for one output constraint")
+        return next(iter(asked.values()), None)
 
     @property
     def include_usage(self) -> bool:
@@ -205,8 +237,19 @@ class ChatMessage(_Request):
         return msg
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's response_format.json_schema: the schema under "schema" (a name pydantic reserves, hence the alias)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # every schema is enforced strictly here
+
+
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -217,7 +260,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict[str, Any]]] = None
     # vLLM's extras.
     add_generation_prompt: bool = True

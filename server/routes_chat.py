@@ -38,10 +38,6 @@ logger = logging.getLogger("jaxserve.server")
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     if body.tools:
         raise bad_request("tools (function calling) are not supported", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(
-            f"response_format type {body.response_format.type!r} is not supported; only 'text'", param="response_format"
-        )
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     if body.stream and body.prompt_logprobs is not None:

@@ -1,0 +1,186 @@
+"""Structured outputs: sampling constrained to a JSON schema, any JSON object, a regex, a choice of strings, or a
+Lark grammar (``SamplingParams.structured_outputs``, vLLM's StructuredOutputsParams).
+
+Each sample of such a request holds a grammar matcher on the host (``Grammar``; the llguidance library parses
+the grammar and walks the tokenizer's vocabulary). Before a step samples the request's next token, the matcher
+writes the tokens it allows into that row of a bitmask, 32 tokens an int32 word (``Grammar.fill``, called by
+SamplingMetadata.from_seqs); the sampler sets every other logit to -inf (``sampler.apply_token_mask``). Once the
+step is read back, the sampled token advances the matcher (``Grammar.accept``, from the scheduler's stop checks),
+and a request whose grammar is complete stops there with finish_reason "stop", without spending a step on EOS.
+
+A step's mask needs the token the step before it sampled, so the asynchronous loop reads a step back before
+scheduling the next while a running request has a grammar (as with penalties): those batches give up the overlap
+of host and device work. Logprobs stay those of the model's own distribution, as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any, Optional, Union
+
+import numpy as np
+
+logger = logging.getLogger("jaxserve")
+
+# The kinds of constraint, in the order their fields are listed; a request sets exactly one.
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (set exactly one of the first five fields).
+
+    ``disable_any_whitespace`` (JSON only) differs from vLLM's default on purpose: JSON is written with
+    ``json.dumps``'s separators (", " and ": ") and no other whitespace, because small models otherwise tend to
+    fill their whole budget with newlines inside the object. Pass False to allow free whitespace between tokens.
+    """
+
+    json: Optional[Union[str, dict]] = None  # a JSON schema, as a dict or its JSON text
+    regex: Optional[str] = None  # the whole output matches it (Rust regex syntax)
+    choice: Optional[list[str]] = None  # the output is exactly one of these strings
+    grammar: Optional[str] = None  # a Lark grammar (llguidance's dialect; its start rule is `start`)
+    json_object: Optional[bool] = None  # any JSON object (OpenAI's response_format {"type": "json_object"})
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value, want: str) -> ValueError:
+            return ValueError(f"structured_outputs.{field}={_short(value)} is invalid: {want}")
+
+        set_fields = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError(
+                f"structured_outputs must set exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(set_fields) if set_fields else 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise bad("json", self.json, f"is not valid JSON ({e})") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise bad("json", self.json, "must be a JSON schema (an object)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise bad("regex", self.regex, "must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple)) or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):  # fmt: skip
+            raise bad("choice", self.choice, "must be a non-empty list of non-empty strings")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise bad("grammar", self.grammar, "must be a non-empty Lark grammar")
+        if self.json_object is not None and self.json_object is not True:
+            raise bad("json_object", self.json_object, "must be true (or unset)")
+
+    @classmethod
+    def coerce(cls, value: Any) -> "StructuredOutputsParams":
+        """A StructuredOutputsParams from itself or a dict of its fields (the server's JSON, vLLM's spelling)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"structured_outputs={_short(value)} is invalid: must be a dict with one of {', '.join(KINDS)}"
+            )
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(
+                f"structured_outputs has unknown field(s) {', '.join(unknown)}; known: {', '.join(KINDS)}, "
+                "disable_any_whitespace"
+            )
+        return cls(**value)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def grammar_text(self) -> str:
+        """The constraint as llguidance's grammar text."""
+        import llguidance
+
+        if self.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:  # Lark string literals take JSON's escapes
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        if self.grammar is not None:
+            return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+        schema = {"type": "object"} if self.json_object else self.json
+        options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        if not self.disable_any_whitespace:
+            options = {"whitespace_flexible": True}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+
+
+class Grammar:
+    """One sample's matcher: the tokens allowed next (``fill``) and the tokens taken (``accept``)."""
+
+    __slots__ = ("matcher", "words")
+
+    def __init__(self, matcher, words: int):
+        self.matcher = matcher
+        self.words = words  # int32 words of a mask row: ceil(vocabulary / 32)
+
+    def fill(self, mask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into ``mask[row]`` ([S, words] int32, bit t % 32 of word t // 32)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, mask, row)
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token. False: the request stops here (the grammar is complete, or refused it)."""
+        if not self.matcher.consume_token(token):
+            logger.warning("structured output: the grammar refused token %d (%s); stopping the request", token,
+                           self.matcher.get_error())
+            return False
+        return not self.matcher.is_stopped()
+
+    def copy(self) -> "Grammar":
+        return Grammar(self.matcher.deep_copy(), self.words)
+
+
+class GrammarCompiler:
+    """Per engine: llguidance's view of the tokenizer, built on first use (about a second for a 128k vocabulary),
+    and the requests' matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width, which may exceed the tokenizer's
+        self.eos_token_ids = list(eos_token_ids)
+        self._lltokenizer = None
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """A fresh matcher for ``params``; ValueError naming the field when the constraint does not compile."""
+        import llguidance
+
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer: start the engine without "
+                             "skip_tokenizer_init")
+        if self._lltokenizer is None:
+            import llguidance.hf
+
+            self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                             eos_token=self.eos_token_ids or None)
+        try:
+            matcher = llguidance.LLMatcher(self._lltokenizer, params.grammar_text())
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {e}") from None
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {matcher.get_error()}")
+        return Grammar(matcher, (self.vocab_size + 31) // 32)
+
+
+def token_masks(seqs, rows: list[int], num_rows: int) -> np.ndarray:
+    """[S, W] int32 bitmask: the allowed tokens of each row in ``rows`` (sequences holding a grammar), every token
+    allowed elsewhere (-1: all bits set)."""
+    mask = np.full((num_rows, seqs[rows[0]].grammar.words), -1, np.int32)
+    for i in rows:
+        seqs[i].grammar.fill(mask, i)
+    return mask
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
