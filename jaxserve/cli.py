@@ -136,11 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s), spec-decode (speculative decoding vs none), spec-sweep (forced acceptance 0..k), lora (multi-LoRA vs none), vl (vision-language vs HF), score (prompt logprobs, as evaluation harnesses score)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s), spec-decode (speculative decoding vs none), spec-sweep (forced acceptance 0..k), lora (multi-LoRA vs none), vl (vision-language vs HF), score (prompt logprobs, as evaluation harnesses score), structured (a JSON schema vs the same tokens unconstrained)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.bench import ablation, embed, latency, load, lora, score, spec_decode, spec_sweep, suite, sweep, throughput, vl
+    from jaxserve.bench import (
+        ablation, embed, latency, load, lora, score, spec_decode, spec_sweep, structured, suite, sweep, throughput, vl,
+    )
 
-    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed, score, spec_decode, spec_sweep, lora, vl):
+    for bench_module in (throughput, latency, ablation, sweep, suite, load, embed, score, structured, spec_decode, spec_sweep,
+                         lora, vl):
         bench_module.add_parser(bench_sub, add_engine_args)
     try:
         from jaxserve.bench import serve as bench_serve

@@ -63,6 +63,7 @@ class DPEngine:
         self.tokenizer = first["tokenizer"]
         self._tokenizer_lock = threading.Lock()  # LLMEngine.tokenize_prompt's, which this engine borrows
         self.eos_token_ids = first["eos_token_ids"]
+        self._grammar_compiler = None  # LLMEngine._compile_grammar's, which this engine borrows
         self._placements: dict[str, _Placement] = {}
         self._outputs: list[RequestOutput] = []  # arrived, not yet returned by step()
         self._replies: dict[int, Any] = {}  # seq -> an abort's or rpc's answer
@@ -132,6 +133,8 @@ class DPEngine:
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids, params)
+        if params.structured_outputs is not None:  # a constraint that does not compile fails here, not in a replica
+            LLMEngine._compile_grammar(self, params)
         if lora_request is not None and lora_request not in self._loras:
             self.add_lora(lora_request)  # checked by every replica here, so a replica's add cannot fail on it
         room = self.model_config.max_model_len - len(prompt_ids)

@@ -172,12 +172,24 @@ class GrammarCompiler:
         return Grammar(matcher, (self.vocab_size + 31) // 32)
 
 
+_executor = None  # llguidance's thread pool for the masks of many rows at once (made on first use)
+
+
 def token_masks(seqs, rows: list[int], num_rows: int) -> np.ndarray:
     """[S, W] int32 bitmask: the allowed tokens of each row in ``rows`` (sequences holding a grammar), every token
-    allowed elsewhere (-1: all bits set)."""
+    allowed elsewhere (-1: all bits set). Several rows are filled in parallel on llguidance's own threads (it
+    releases the GIL): 10-70 us a row on one core, which a batch of hundreds would otherwise pay in series."""
+    global _executor
     mask = np.full((num_rows, seqs[rows[0]].grammar.words), -1, np.int32)
-    for i in rows:
-        seqs[i].grammar.fill(mask, i)
+    if len(rows) == 1:
+        seqs[rows[0]].grammar.fill(mask, rows[0])
+        return mask
+    import llguidance
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    fill_next_token_bitmask_par(_executor, [(seqs[i].grammar.matcher, i) for i in rows], mask)
     return mask
 
 
