@@ -60,6 +60,22 @@ def test_chat_json_schema_streamed_and_not(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_the_clients_parse_helper_with_a_pydantic_model(client):
+    """openai's chat.completions.parse sends the model's JSON schema (strict) and parses the answer back."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        confident: bool
+
+    resp = client.chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Verdict, max_tokens=64,
+                                         temperature=0)
+    parsed = resp.choices[0].message.parsed
+    assert isinstance(parsed, Verdict) and parsed.answer in ("yes", "no")
+
+
 def test_chat_json_object(client):
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, response_format={"type": "json_object"},
                                           max_tokens=32, temperature=0)
