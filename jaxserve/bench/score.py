@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import time
 
 
@@ -35,9 +34,8 @@ def add_parser(bench_sub, add_engine_args) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import jax
 
-    from jaxserve.bench import latency
+    from jaxserve.bench import latency, report
     from jaxserve.bench.workload import random_workload
     from jaxserve.cli import engine_args_from
     from jaxserve.llm import LLM
@@ -89,12 +87,7 @@ def run(ns: argparse.Namespace) -> int:
         "scoring_overhead": elapsed / plain_s - 1.0,
         "startup_s": startup_s,
         "logprob_sums": sums,
-        "engine_info": engine.info(),
-        "engine_args": dataclasses.asdict(args),
-        "device": engine.info().get("device_kind") or str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        **report.run_fields(engine, args),
     }
     print(f"jaxserve: {len(prompts)} prompts ({tokens} tokens) scored (prompt_logprobs={ns.k}) in {elapsed:.2f}s: "
           f"{result['prompt_tokens_per_s']:.0f} prompt tok/s; the same prompts without prompt logprobs "
@@ -111,9 +104,7 @@ def run(ns: argparse.Namespace) -> int:
               f"({100 * result['max_rel_logprob_sum_diff']:.2g}%)")
     print(json.dumps({k: v for k, v in result.items() if k != "logprob_sums"} | (
         {"hf": {k: v for k, v in hf.items() if k != "logprob_sums"}} if hf else {}), indent=1))
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    report.write_json(result, ns.output_json)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import time
 
 # A record a model can fill in any order of words: every string is bounded, so every output ends.
@@ -63,9 +62,8 @@ def fits(text: str) -> bool:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import jax
 
-    from jaxserve.bench import latency
+    from jaxserve.bench import latency, report
     from jaxserve.bench.workload import random_workload
     from jaxserve.cli import engine_args_from
     from jaxserve.llm import LLM
@@ -109,19 +107,12 @@ def run(ns: argparse.Namespace) -> int:
         "valid_outputs": valid,
         "example": outs[0].outputs[0].text,
         "startup_s": startup_s,
-        "engine_info": engine.info(),
-        "engine_args": dataclasses.asdict(args),
-        "device": engine.info().get("device_kind") or str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        **report.run_fields(engine, args),
     }
     print(f"jaxserve: {len(batch)} JSON records ({tokens} tokens, {valid} of {len(batch)} parse and fit the schema) "
           f"in {constrained_s:.2f}s: {result['constrained_tokens_per_s']:.0f} out tok/s; the same tokens unconstrained "
           f"{result['unconstrained_tokens_per_s']:.0f} tok/s (the schema costs {100 * result['structured_cost']:+.0f}%)")
     print(f"example: {result['example']}")
     print(json.dumps({k: v for k, v in result.items() if k not in ("schema", "engine_args")}, indent=1))
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    report.write_json(result, ns.output_json)
     return 0

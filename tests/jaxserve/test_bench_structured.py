@@ -1,0 +1,29 @@
+"""`jaxserve bench structured` end to end on a tiny checkpoint: every record fits the schema, and the unconstrained
+run generates exactly as many tokens."""
+
+from __future__ import annotations
+
+import json
+
+from engine_fixtures import checkpoint
+
+from jaxserve.bench.structured import fits
+from jaxserve.cli import main
+
+
+def test_bench_structured_reports_both_runs(tmp_path):
+    out = tmp_path / "result.json"
+    rc = main(["bench", "structured", "--model", checkpoint("llama_gqa"), "--dtype", "float32", "--num-prompts", "4",
+               "--input-len", "20", "--max-model-len", "256", "--max-num-batched-tokens", "64",
+               "--compilation-cache-dir", "", "--precompile", "none", "--output-json", str(out)])  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["valid_outputs"] == 4 and result["finish_reasons"] == {"stop": 4, "length": 0}
+    assert result["constrained_tokens_per_s"] > 0 and result["unconstrained_tokens_per_s"] > 0
+    assert fits(result["example"]) and result["jax"] and result["engine_args"]["dtype"] == "float32"
+
+
+def test_fits_checks_every_field():
+    good = '{"name": "a", "age": 3, "role": "admin", "email": "b", "tags": ["x"]}'
+    assert fits(good)
+    assert not fits(good.replace('"admin"', '"root"')) and not fits(good[:-1]) and not fits('{"name": "a"}')
