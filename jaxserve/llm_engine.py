@@ -193,11 +193,6 @@ class LLMEngine:
                     "prompt_logprobs is not supported with speculative decoding (its verify steps score only the "
                     "proposals); leave prompt_logprobs unset or start the engine without speculative_config"
                 )
-        if params.structured_outputs is not None and self.args.speculative_config is not None:
-            raise ValueError(
-                "structured_outputs is not supported with speculative decoding yet (its proposals are not checked "
-                "against the grammar); leave it unset or start the engine without speculative_config"
-            )
 
     def add_request(
         self,

@@ -280,6 +280,9 @@ class Scheduler:
                     for token in tokens:  # with speculation the accepted proposals and one more
                         request.append_output_token(token)
                         self._check_stop(request)
+                        if request.grammar is not None and request.status is not RequestStatus.FINISHED_STOPPED:
+                            if not request.grammar.accept(token):  # (one token: a grammar's request never speculates)
+                                request.status = RequestStatus.FINISHED_STOPPED
                         if request.status.finished:
                             break  # tokens past a stop or a length limit are dropped
                 if seq.num_spec_tokens:

@@ -30,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sampler import _row_key, _top_k_top_p_threshold, apply_logit_bias, argmax, sample
+from jaxserve.sampler import _row_key, _top_k_top_p_threshold, apply_logit_bias, apply_token_mask, argmax, sample
 from jaxserve.sampling_metadata import SamplingMetadata
 
 # Distinct streams folded from a position's key: the plain sampler's Gumbel draw uses the key itself.
@@ -91,6 +91,8 @@ def _target_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     steps as the sampler's draw, -inf where a filter removes a token. [R, V] -> [R, V]."""
     if md.needs_bias:
         logits = apply_logit_bias(logits, md)
+    if md.needs_mask:  # a grammar's row (it has no proposals: it does not speculate) keeps its mask here too
+        logits = apply_token_mask(logits, md.token_mask)
     temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)  # [R]
     scaled = logits / temperature[:, None]
     if md.needs_filters:

@@ -167,12 +167,31 @@ def test_bad_constraints_are_named(llm):
     assert not llm.llm_engine.has_unfinished_requests()  # nothing was queued by the refused requests
 
 
-def test_refused_with_speculative_decoding_and_without_a_tokenizer():
-    from engine_fixtures import speculative_engine
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding(llm, method):
+    """A grammar's request does not speculate (each position's mask would follow the proposals before it): it
+    decodes a token per verify step beside requests that do, and every output is the plain engine's."""
+    from engine_fixtures import generate, speculative_engine
 
-    llm = speculative_engine({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
-    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative decoding"):
-        llm.generate(["x"], SamplingParams(structured_outputs={"choice": CHOICES}), use_tqdm=False)
+    config = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    if method == "draft_model":
+        config = {"method": "draft_model", "model": checkpoint("llama_gqa"), "num_speculative_tokens": 2}
+    spec = speculative_engine(config)
+    repetitive = "a b c a b c a b c a b c"  # ngram proposals for the unconstrained requests
+    prompts = [repetitive, PROMPTS[0], repetitive, PROMPTS[1]]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    constrained = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=CONSTRAINTS[kind][0])
+                   for kind in ("json", "regex")]
+    params = [plain, constrained[0], plain, constrained[1]]
+    outs = generate(spec, prompts, params)
+    want = generate(spec, prompts, params, speculate=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    _assert_obeys("json", [outs[1]])
+    _assert_obeys("regex", [outs[3]])
+    assert spec.llm_engine.speculator.stats.num_drafts > 0
+
+
+def test_refused_without_a_tokenizer():
     bare = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(skip_tokenizer_init=True))
     with pytest.raises(ValueError, match="structured_outputs needs the model's tokenizer"):
         bare.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(structured_outputs={"choice": CHOICES}),
