@@ -151,7 +151,7 @@ def test_eager_mode(reference):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-@pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)], ids=["tp2", "dp2xtp2"])
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)], ids=["tp2", "dp2"])  # DP x TP itself: test_tp_dp
 def test_tensor_and_data_parallel(reference, tp, dp):
     llm = LLM(checkpoint("llama_gqa"), tensor_parallel_size=tp, data_parallel_size=dp, **small_engine_kwargs())
     try:

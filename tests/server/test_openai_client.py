@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import openai
 import pytest
@@ -238,3 +239,92 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert result["total_output_tokens"] == 30
     assert result["ttft_ms"]["mean"] > 0 and result["itl_ms"]["median"] > 0
     assert result["peak_concurrent_requests"] <= 3
+
+
+# ---- structured outputs: OpenAI's response_format (json_schema, json_object) on chat and completions, vLLM's
+# structured_outputs and guided_* fields, and clear 400s for bad constraints
+
+SO_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+SO_MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer as JSON."}]
+
+
+def _fits_verdict(text: str) -> None:
+    value = json.loads(text)
+    assert value["answer"] in ("yes", "no") and 0 <= value["score"] <= 9 and set(value) == {"answer", "score"}
+
+
+def test_chat_json_schema_streamed_and_not(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SO_SCHEMA, "strict": True}}
+    resp = client.chat.completions.create(model="tiny", messages=SO_MESSAGES, response_format=fmt, max_tokens=64,
+                                          temperature=0.8, seed=1, n=2)
+    for choice in resp.choices:
+        assert choice.finish_reason == "stop"
+        _fits_verdict(choice.message.content)
+    stream = client.chat.completions.create(model="tiny", messages=SO_MESSAGES, response_format=fmt, max_tokens=64,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    _fits_verdict("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_the_clients_parse_helper_with_a_pydantic_model(client):
+    """openai's chat.completions.parse sends the model's JSON schema (strict) and parses the answer back."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        confident: bool
+
+    resp = client.chat.completions.parse(model="tiny", messages=SO_MESSAGES, response_format=Verdict, max_tokens=64,
+                                         temperature=0)
+    parsed = resp.choices[0].message.parsed
+    assert isinstance(parsed, Verdict) and parsed.answer in ("yes", "no")
+
+
+def test_chat_json_object(client):
+    resp = client.chat.completions.create(model="tiny", messages=SO_MESSAGES, response_format={"type": "json_object"},
+                                          max_tokens=32, temperature=0)
+    choice = resp.choices[0]
+    assert choice.message.content.startswith("{")
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_completions_vllm_fields(client):
+    resp = client.completions.create(model="tiny", prompt="Pick one:", max_tokens=16, temperature=0,
+                                     extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert resp.choices[0].text in ("red", "green", "blue") and resp.choices[0].finish_reason == "stop"
+    resp = client.completions.create(model="tiny", prompt="Call", max_tokens=16, temperature=0,
+                                     extra_body={"guided_regex": r"[0-9]{3}-[0-9]{2}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{2}", resp.choices[0].text)
+    resp = client.completions.create(model="tiny", prompt="Verdict:", max_tokens=64, temperature=0,
+                                     extra_body={"guided_json": SO_SCHEMA})
+    _fits_verdict(resp.choices[0].text)
+    resp = client.completions.create(model="tiny", prompt="Verdict:", max_tokens=64, temperature=0,
+                                     extra_body={"response_format": {"type": "json_schema",
+                                                                     "json_schema": {"name": "v", "schema": SO_SCHEMA}}})
+    _fits_verdict(resp.choices[0].text)
+
+
+@pytest.mark.parametrize("extra,param,match", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "does not compile"),
+    ({"structured_outputs": {"regexp": "a"}}, None, "unknown field"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex", "with guided_choice: ask for one output constraint"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_object"),
+])
+def test_bad_constraints_are_400s_naming_the_field(client, extra, param, match):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=SO_MESSAGES, max_tokens=8, extra_body=extra)
+    body = e.value.body
+    assert re.search(match, body["message"]), body
+    assert body.get("param") == param, body
+    ok = client.chat.completions.create(model="tiny", messages=SO_MESSAGES, max_tokens=4, temperature=0)
+    assert ok.choices[0].message.content is not None  # the server goes on serving
