@@ -270,19 +270,12 @@ class Scheduler:
                     request.output_token_ids.append(token)  # append_output_token, inline: every request every step
                     request.all_token_ids.append(token)
                     self._check_stop(request)
-                    if request.grammar is not None and request.status is not RequestStatus.FINISHED_STOPPED:
-                        # A token that completes the grammar is a stop, even where it also reaches a length limit.
-                        if not request.grammar.accept(token):
-                            request.status = RequestStatus.FINISHED_STOPPED
                 else:
                     tokens = emitted[row]
                     num_emitted = len(tokens)
                     for token in tokens:  # with speculation the accepted proposals and one more
                         request.append_output_token(token)
                         self._check_stop(request)
-                        if request.grammar is not None and request.status is not RequestStatus.FINISHED_STOPPED:
-                            if not request.grammar.accept(token):  # (one token: a grammar's request never speculates)
-                                request.status = RequestStatus.FINISHED_STOPPED
                         if request.status.finished:
                             break  # tokens past a stop or a length limit are dropped
                 if seq.num_spec_tokens:
@@ -412,8 +405,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _check_stop(self, request: Request) -> None:
-        """Stop checks after a token is appended. A stop token wins over a length limit reached by the
-        same token, so finish_reason says why the model stopped."""
+        """Stop checks after a token is appended (once per token: a grammar's matcher advances here). A stop token,
+        or a token that completes the grammar, wins over a length limit reached by the same token, so
+        finish_reason says why the model stopped."""
         params = request.sampling_params
         num_output = len(request.output_token_ids)  # called for every token: lengths, not the properties
         token = request.output_token_ids[-1]
@@ -425,6 +419,10 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return
+        if request.grammar is not None and not request.grammar.accept(token):
+            # Structured outputs: the token completes the grammar (a stop, even where it also reaches a length limit)
+            request.status = RequestStatus.FINISHED_STOPPED
+            return
         if len(request.all_token_ids) >= self.max_len or (
             params.max_tokens is not None and num_output >= params.max_tokens
         ):
