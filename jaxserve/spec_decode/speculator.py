@@ -105,14 +105,14 @@ class Speculator:
 
 
 def _may_speculate(r: Request) -> bool:
-    """Decoding next (prompt done, nothing in flight), and no setting that reads the history mid-step:
-    penalties, min_tokens' bans on stop tokens, or a grammar (structured outputs: each position's mask would
-    follow the proposals before it). Such a request decodes one token per verify step, beside the others."""
+    """Decoding next (prompt done, nothing in flight), and no setting that reads the tokens mid-step: penalties or
+    a grammar (SamplingParams.needs_host_tokens; a grammar's mask at each position would follow the proposals
+    before it), or min_tokens' bans on stop tokens. Such a request decodes one token per verify step, beside the
+    others."""
     sp = r.sampling_params
     return (
         r.num_computed_tokens == r.num_tokens - 1
         and not r.num_pending_tokens
-        and not sp.uses_penalties
+        and not sp.needs_host_tokens
         and r.num_output_tokens >= sp.min_tokens
-        and sp.structured_outputs is None
     )
