@@ -133,9 +133,11 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
         continue_final_message: bool = False,
+        tools: Optional[list[dict]] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template
-        (``lora_request`` as in ``generate``; ``continue_final_message``: see ``render_chat``)."""
+        (``lora_request`` as in ``generate``; ``continue_final_message``, ``tools``: see ``render_chat``). The
+        replies are text: to force a call, pass the function's parameters as a structured_outputs json schema."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for c in conversations:
@@ -144,7 +146,7 @@ class LLM:
             from jaxserve.media import split_image_parts
 
             c, images = split_image_parts(c, self.engine_args.allowed_local_media_path)
-            ids = self.apply_chat_template(c, chat_template, add_generation_prompt, continue_final_message)
+            ids = self.apply_chat_template(c, chat_template, add_generation_prompt, continue_final_message, tools)
             prompt = {"prompt_token_ids": ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
@@ -152,12 +154,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
-        self, conversation: Conversation, chat_template=None, add_generation_prompt=True, continue_final_message=False
+        self, conversation: Conversation, chat_template=None, add_generation_prompt=True, continue_final_message=False,
+        tools: Optional[list[dict]] = None,
     ):
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer, but skip_tokenizer_init=True")
-        return render_chat(tok, conversation, chat_template, add_generation_prompt, continue_final_message)
+        return render_chat(tok, conversation, chat_template, add_generation_prompt, continue_final_message, tools)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -236,10 +239,12 @@ def _as_list(prompts) -> list:
 
 
 def render_chat(
-    tokenizer, conversation: Conversation, chat_template=None, add_generation_prompt=True, continue_final_message=False
+    tokenizer, conversation: Conversation, chat_template=None, add_generation_prompt=True, continue_final_message=False,
+    tools: Optional[list[dict]] = None,
 ) -> list[int]:
     """Token ids of a conversation under the tokenizer's chat template (no double BOS). ``continue_final_message``
-    (vLLM's): the last message (usually the assistant's) is left open, so the model continues its text (a prefill)."""
+    (vLLM's): the last message (usually the assistant's) is left open, so the model continues its text (a prefill).
+    ``tools``: function definitions in OpenAI's format, for templates that describe tools to the model."""
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
     if continue_final_message and add_generation_prompt:
@@ -247,7 +252,7 @@ def render_chat(
                          "add_generation_prompt=False (a new turn would start after it)")
     out = tokenizer.apply_chat_template(
         conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
-        continue_final_message=continue_final_message,
+        continue_final_message=continue_final_message, tools=tools,
     )
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
         out = out["input_ids"]

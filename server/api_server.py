@@ -30,6 +30,7 @@ from jaxserve.server.routes_lora import (
 )  # fmt: skip
 from jaxserve.server.routes_misc import detokenize, health, list_models, tokenize, version
 from jaxserve.server.serving import ServerState
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -47,6 +48,7 @@ class ServerOptions:
     access_log: bool = True
     lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules name=path: adapters served under their names
     allow_runtime_lora_updating: Optional[bool] = None  # None: $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING
+    tool_call_parser: Optional[str] = None  # --enable-auto-tool-choice: how tool_choice="auto" reads calls
 
 
 class APIKeyMiddleware:
@@ -74,13 +76,20 @@ def build_app(
     api_key: Optional[str] = None,
     lora_modules: Optional[list[tuple[str, str]]] = None,
     allow_runtime_lora_updating: Optional[bool] = None,
+    tool_call_parser: Optional[str] = None,
 ) -> Starlette:
     """The ASGI app over an engine. The lifespan starts the engine thread and stops it on shutdown.
     ``lora_modules``: (name, path) adapters served under their names; ``allow_runtime_lora_updating``: the
-    load/unload routes (None: from $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING)."""
+    load/unload routes (None: from $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING); ``tool_call_parser``: the format
+    tool_choice="auto" reads calls in (None: "auto" is refused)."""
     if allow_runtime_lora_updating is None:
         allow_runtime_lora_updating = runtime_lora_updating_from_env()
-    state = ServerState.for_engine(engine, api_key=api_key, allow_runtime_lora_updating=allow_runtime_lora_updating)
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser={tool_call_parser} is invalid: choose one of {', '.join(TOOL_CALL_PARSERS)}")
+    state = ServerState.for_engine(
+        engine, api_key=api_key, allow_runtime_lora_updating=allow_runtime_lora_updating,
+        tool_call_parser=tool_call_parser,
+    )
     register_lora_modules(state, lora_modules or [])
     metrics = ServerMetrics(state.model_name)
     metrics.attach(engine)
@@ -166,7 +175,7 @@ def serve(engine_args: EngineArgs, options: ServerOptions) -> None:
     logger.info("engine ready: %s", info)
     app = build_app(
         engine, api_key=options.api_key, lora_modules=list(options.lora_modules),
-        allow_runtime_lora_updating=options.allow_runtime_lora_updating,
+        allow_runtime_lora_updating=options.allow_runtime_lora_updating, tool_call_parser=options.tool_call_parser,
     )
     server = _Server(uvicorn_config(app, options))
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host

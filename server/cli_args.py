@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
+
 _API_KEY_ENV = "JAXSERVE_API_KEY"
 
 
@@ -52,6 +54,17 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
         help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
         "$JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING=1, else off)",
     )
+    g.add_argument(
+        "--enable-auto-tool-choice", "--enable_auto_tool_choice", dest="enable_auto_tool_choice",
+        action="store_true",
+        help='let tool_choice="auto" (the default with tools) read calls from the reply; needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser", "--tool_call_parser", dest="tool_call_parser", default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="the format the model writes calls in: hermes (<tool_call>{json}</tool_call>: Qwen2/2.5/3, Hermes) or "
+        "llama3_json (Llama 3.1+ JSON calls)",
+    )
     p.set_defaults(func=_cmd_serve)
     return p
 
@@ -67,6 +80,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--port={ns.port} is invalid: must be in 1..65535")
     if ns.graceful_shutdown_timeout < 0:
         raise ValueError(f"--graceful-shutdown-timeout={ns.graceful_shutdown_timeout} is invalid: must be >= 0")
+    if ns.enable_auto_tool_choice != (ns.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: pass both to let "
+                         'tool_choice="auto" read calls (e.g. --enable-auto-tool-choice --tool-call-parser hermes)')
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     options = ServerOptions(
         host=ns.host,
@@ -78,6 +94,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         access_log=not ns.disable_access_log,
         lora_modules=tuple(parse_lora_modules(ns.lora_modules)),
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
+        tool_call_parser=ns.tool_call_parser,
     )
     args = engine_args_from(ns)
     if options.lora_modules and not args.enable_lora:

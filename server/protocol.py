@@ -6,11 +6,14 @@ known fields are checked here and again by SamplingParams, whose ValueError name
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+from jaxserve.server.tool_calls import forced_call_schema
 
 _MAX_STOP = 16  # OpenAI allows 4; vLLM allows any. Bound it so one request cannot slow every step.
 
@@ -109,6 +112,14 @@ class _SamplingFields(_Request):
     def _structured_outputs(self) -> Optional[dict[str, Any]]:
         """The one constraint the body asks for, as StructuredOutputsParams's fields; ValueError when it asks in
         more than one way."""
+        asked = self._asked_constraints()
+        if len(asked) > 1:
+            raise ValueError(f"{next(iter(asked))}=... is invalid together with {', '.join(list(asked)[1:])}: ask "
+                             "for one output constraint")
+        return next(iter(asked.values()), None)
+
+    def _asked_constraints(self) -> dict[str, dict[str, Any]]:
+        """Every output constraint in the body, by the field that asks for it."""
         asked: dict[str, dict[str, Any]] = {}
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -124,10 +135,7 @@ class _SamplingFields(_Request):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
                 asked[f"guided_{kind}"] = {kind: value}
-        if len(asked) > 1:
-            raise ValueError(f"{next(iter(asked))}=... is invalid together with {', '.join(list(asked)[1:])}: ask "
-                             "for one output constraint")
-        return next(iter(asked.values()), None)
+        return asked
 
     @property
     def include_usage(self) -> bool:
@@ -210,10 +218,37 @@ class ImageURLPart(_Request):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: Union[str, dict[str, Any]]  # OpenAI sends a JSON string; chat templates want the object
+
+    @field_validator("arguments")
+    @classmethod
+    def _as_object(cls, v):
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"arguments must be a JSON object ({e})") from None
+        if not isinstance(v, dict):
+            raise ValueError(f"arguments must be a JSON object, got {type(v).__name__}")
+        return v
+
+
+class ToolCallIn(_Request):
+    """A call an earlier assistant turn made (sent back with the tool's result)."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Optional[Union[str, list[Union[TextPart, ImageURLPart]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant turn's calls
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
     @property
     def image_urls(self) -> list[str]:
@@ -234,7 +269,37 @@ class ChatMessage(_Request):
         msg: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object; None: no arguments
+    strict: Optional[bool] = None  # forced calls always follow the schema; free-text ones are parsed as written
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def template_tools(tools: Optional[list[Tool]]) -> Optional[list[dict[str, Any]]]:
+    """The tools as a chat template reads them (OpenAI's own format, which transformers' templates take)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Request):
@@ -260,7 +325,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
     # vLLM's extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new turn
@@ -269,6 +336,33 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        """tool_choice with OpenAI's default: "auto" with tools, "none" without. ValueError naming the field when
+        it asks for a call that the tools cannot make."""
+        names = [t.function.name for t in self.tools or []]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"tools=... is invalid: two functions are named {dup!r}; give each its own name")
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if names else "none")
+        if not names and choice in ("none", "auto"):
+            return "none"
+        if not names:
+            shown = choice if isinstance(choice, str) else choice.model_dump()
+            raise ValueError(f"tool_choice={json.dumps(shown)} is invalid without tools: send the functions in "
+                             "tools=[{\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}]")
+        if not isinstance(choice, str) and choice.function.name not in names:
+            raise ValueError(f"tool_choice={json.dumps(choice.model_dump())} is invalid: tools has no function "
+                             f"named {choice.function.name!r} (it has {', '.join(names)})")
+        return choice
+
+    def _asked_constraints(self) -> dict[str, dict[str, Any]]:
+        asked = super()._asked_constraints()
+        schema = forced_call_schema(self.tools or [], self.effective_tool_choice, self.parallel_tool_calls)
+        if schema is not None:  # a forced tool choice generates under its schema, like response_format
+            asked = {"tool_choice": {"json": schema}, **asked}
+        return asked
 
 
 class TokenizeRequest(_Request):
@@ -281,6 +375,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Optional[str] = None
+    tools: Optional[list[Tool]] = None  # rendered into the messages' prompt, as on chat
     return_token_strs: bool = False
 
 

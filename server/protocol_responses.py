@@ -105,9 +105,21 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[TokenLogprob]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -129,9 +141,22 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's extra, with "prompt_logprobs" in the request
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None  # in the call's first delta
+    arguments: str = ""  # the arguments' new text
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # which call of the choice: deltas with the same index join into one call
+    id: Optional[str] = None  # in the call's first delta
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -16,14 +16,18 @@ from jaxserve.media import load_image
 from jaxserve.server.deltas import DeltaTracker
 from jaxserve.server.errors import APIError, bad_request, from_value_error
 from jaxserve.server.logprobs import chat_logprobs, prompt_logprobs_json
-from jaxserve.server.protocol import ChatCompletionRequest
+from jaxserve.server.protocol import ChatCompletionRequest, template_tools
 from jaxserve.server.protocol_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     now_s,
     random_id,
 )
@@ -31,13 +35,12 @@ from jaxserve.server.serving import (
     ServerState, collect_finals, get_state, guard_stream, parse_body, stream_choices, usage,
 )
 from jaxserve.server.sse import SSEResponse, sse_event
+from jaxserve.server.tool_calls import ToolCallStream, ToolPlan
 
 logger = logging.getLogger("jaxserve.server")
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise bad_request("tools (function calling) are not supported", param="tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     if body.stream and body.prompt_logprobs is not None:
@@ -51,7 +54,7 @@ def render_messages(state: ServerState, body) -> list[int]:
     conversation = [m.as_template_dict() for m in body.messages]
     try:
         return render_chat(tokenizer, conversation, body.chat_template, body.add_generation_prompt,
-                           body.continue_final_message)
+                           body.continue_final_message, template_tools(body.tools))
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from None
 
@@ -84,6 +87,10 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = state.resolve_model(body.model)
     _check_unsupported(body)
+    try:
+        tools = ToolPlan.for_request(body, state.tool_call_parser)
+    except ValueError as e:
+        raise from_value_error(e) from None
     prompt, mm = await with_images(state, body, render_messages(state, body))
     max_tokens = body.requested_max_tokens
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -93,20 +100,29 @@ async def create_chat_completion(request: Request) -> Response:
         params = body.sampling_params(max_tokens, top_k if body.logprobs else None)
     except ValueError as e:
         raise from_value_error(e) from None
+    if tools.keep_special_tokens:
+        params.skip_special_tokens = False
     request_id = random_id("chatcmpl")
     streams = await state.submit(request_id, [prompt], params, model, mm=mm)
     if body.stream:
-        events = _stream(state, body, model, request_id, streams, len(prompt), top_k)
+        events = _stream(state, body, model, request_id, streams, len(prompt), top_k, tools)
         return SSEResponse(guard_stream(events, what="chat", request_id=request_id, engine=state.engine, streams=streams))
     finals = await collect_finals(request, state.engine, streams)
     tracker = DeltaTracker(body.n, [len(prompt)])
     choices = []
     for d in tracker.update(0, finals[0]):
         lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
+        message, finish_reason = ChatResponseMessage(content=d.text), d.finish_reason
+        if tools.parser is not None:
+            calls = ToolCallStream(tools)
+            content, made = calls.whole(d.text)
+            message = ChatResponseMessage(content=content, tool_calls=[
+                ToolCall(id=call_id, function=FunctionCall(name=c.name, arguments=c.arguments)) for call_id, c in made
+            ] or None)
+            finish_reason = tools.finish_reason(calls.called, d.finish_reason)
         choices.append(
             ChatChoice(
-                index=d.index, message=ChatResponseMessage(content=d.text), logprobs=lp,
-                finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                index=d.index, message=message, logprobs=lp, finish_reason=finish_reason, stop_reason=d.stop_reason,
             )
         )
     choices.sort(key=lambda c: c.index)
@@ -119,7 +135,8 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def _stream(
-    state: ServerState, body: ChatCompletionRequest, model: str, request_id: str, streams, prompt_len: int, top_k: int
+    state: ServerState, body: ChatCompletionRequest, model: str, request_id: str, streams, prompt_len: int, top_k: int,
+    tools: ToolPlan,
 ) -> AsyncIterator[bytes]:
     created = now_s()
     tracker = DeltaTracker(body.n, [prompt_len])
@@ -132,11 +149,22 @@ async def _stream(
     # OpenAI opens every choice with the role and empty content, before any token is ready.
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
 
+    calls: dict[int, ToolCallStream] = {}  # per choice, when the reply may hold tool calls
+
     def choice(_, d, __) -> ChatChunkChoice:
         lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
+        delta, finish_reason = DeltaMessage(content=d.text), d.finish_reason
+        if tools.parser is not None:
+            stream = calls.setdefault(d.index, ToolCallStream(tools))
+            content, made = stream.feed(d.text, final=d.finish_reason is not None)
+            delta = DeltaMessage(content=content if content or not made else None, tool_calls=[
+                DeltaToolCall(index=i, id=call_id, type="function" if call_id else None,
+                              function=DeltaFunctionCall(name=c.name if call_id else None, arguments=c.arguments))
+                for i, call_id, c in made
+            ] or None)
+            finish_reason = tools.finish_reason(stream.called, d.finish_reason)
         return ChatChunkChoice(
-            index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp,
-            finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+            index=d.index, delta=delta, logprobs=lp, finish_reason=finish_reason, stop_reason=d.stop_reason,
         )  # fmt: skip
 
     async for event in stream_choices(streams, tracker, body, choice, chunk):

@@ -47,6 +47,7 @@ class ServerState:
     lora_modules: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     next_lora_id: int = 1
+    tool_call_parser: Optional[str] = None  # tool_choice="auto" reads calls in this format (None: refused)
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine, api_key: Optional[str] = None, **kw) -> "ServerState":

@@ -141,6 +141,14 @@ def test_chat_continues_the_final_message(llm):
         llm.chat(messages, sp, use_tqdm=False, continue_final_message=True)
 
 
+def test_chat_renders_tools_through_the_template(llm):
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False,
+                   chat_template=template, tools=tools)[0]
+    assert "get_weather" in llm.get_tokenizer().decode(out.prompt_token_ids)
+
+
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
 _events: list[str] | None = None  # collecting while a list
 

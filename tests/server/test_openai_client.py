@@ -24,7 +24,7 @@ def server(tmp_path_factory):
         max_num_batched_tokens=64, max_num_seqs=32, block_size=8, compilation_cache_dir="",
     )
     engine = AsyncLLMEngine.from_engine_args(args, progress=False)
-    with ServerThread(engine) as srv:
+    with ServerThread(engine, tool_call_parser="hermes") as srv:
         yield srv
 
 
@@ -328,3 +328,117 @@ def test_bad_constraints_are_400s_naming_the_field(client, extra, param, match):
     assert body.get("param") == param, body
     ok = client.chat.completions.create(model="tiny", messages=SO_MESSAGES, max_tokens=4, temperature=0)
     assert ok.choices[0].message.content is not None  # the server goes on serving
+
+
+# ---- tool calling: a named function and "required" generate under the tools' schemas, "auto" reads hermes-style
+# calls out of the text (the tiny model writes none: its reply stays content), and the conversation goes on with
+# the calls and their results
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+                   "additionalProperties": False},
+}}
+TIME_TOOL = {"type": "function", "function": {"name": "now"}}  # no parameters
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _streamed_calls(stream) -> tuple[dict, list]:
+    """The openai client's way to join streamed tool calls: by index, arguments concatenated."""
+    calls, reasons = {}, []
+    for chunk in stream:
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                call["arguments"] += d.function.arguments or ""
+    return calls, [r for r in reasons if r]
+
+
+def test_named_tool_choice_streamed_and_not(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL],
+                                          tool_choice=named, max_tokens=48, temperature=0)
+    choice = resp.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's answer for a named function
+    calls, reasons = _streamed_calls(client.chat.completions.create(
+        model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, max_tokens=48,
+        temperature=0, stream=True))
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+    assert reasons == ["stop"]
+
+
+def test_required_tool_choice_and_the_next_turn(client):
+    resp = client.chat.completions.create(model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL],
+                                          tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                                          temperature=0.9, seed=3, n=2)
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        for call in choice.message.tool_calls:
+            assert call.function.name in ("get_weather", "now") and isinstance(json.loads(call.function.arguments), dict)
+    # The client sends the calls back with their results, and the model answers in plain text.
+    message = resp.choices[0].message
+    follow_up = TOOL_MESSAGES + [message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "18 C, sunny"} for c in message.tool_calls
+    ]
+    nxt = client.chat.completions.create(model="tiny", messages=follow_up, tools=[WEATHER_TOOL], tool_choice="none",
+                                         max_tokens=4, temperature=0)
+    assert nxt.choices[0].message.tool_calls is None and nxt.choices[0].message.content is not None
+    # Parallel calls, streamed: a random model may go on calling until max_tokens, so "length" is fine here.
+    kw = dict(model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+              max_tokens=64, temperature=0)
+    calls, reasons = _streamed_calls(client.chat.completions.create(stream=True, **kw))
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert calls and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert reasons == [whole.finish_reason] and whole.finish_reason in ("tool_calls", "length")
+
+
+def test_auto_tool_choice_without_a_call_is_content(client):
+    """The server reads hermes calls; the tiny model writes none, so "auto" answers what "none" answers."""
+    kw = dict(model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER_TOOL], max_tokens=6, temperature=0)
+    auto, none = client.chat.completions.create(**kw), client.chat.completions.create(tool_choice="none", **kw)
+    assert auto.choices[0].message.content == none.choices[0].message.content
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_tool_choice_reads_a_hermes_call(client):
+    """A regex makes the tiny model write a hermes call after some content; "auto" reads it out, streamed or not."""
+    regex = r'Sure\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,5}"\}\}</tool_call>'
+    kw = dict(model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER_TOOL], max_tokens=64, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})
+    choice = client.chat.completions.create(**kw).choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and re.fullmatch(r'\{"city": "[a-z]{1,5}"\}', call.function.arguments)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sure."
+    calls, reasons = _streamed_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+    assert reasons == ["tool_calls"]
+
+
+def test_tools_reach_the_chat_template(server):
+    import httpx
+
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    body = {"messages": TOOL_MESSAGES, "tools": [WEATHER_TOOL, TIME_TOOL], "chat_template": template,
+            "add_generation_prompt": False}
+    ids = httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert "get_weather" in text and "now" in text
+
+
+@pytest.mark.parametrize("extra,param,match", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "no function named 'nope'"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "one output constraint"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "two functions are named"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(client, extra, param, match):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=TOOL_MESSAGES, max_tokens=8,
+                                       **{"tools": [WEATHER_TOOL], **extra})
+    assert re.search(match, e.value.body["message"]) and e.value.body.get("param") == param, e.value.body
