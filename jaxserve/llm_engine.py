@@ -327,17 +327,26 @@ class LLMEngine:
         if self._deferred is not None or self._held_outputs:  # left by speculative steps (speculation switched off)
             outputs = self._held_outputs + self._flush_deferred() + outputs
             self._held_outputs = []
-        if self._in_flight is not None and self.scheduler.has_pending_host_token_rows():
-            # Penalties read the whole history on the host, a grammar its last token: let the in-flight one arrive.
+        defers_masks = self.runner.defers_masks
+        if self._in_flight is not None and self.scheduler.has_pending_host_token_rows(grammar=not defers_masks):
+            # Penalties read the whole history on the host (and, where the sampler cannot wait, a grammar its last
+            # token): let the in-flight step arrive first.
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
         sched = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
+        # A grammar's mask follows the token in flight: launch the model now, and its sampler once that token
+        # has been read back and taken by the grammar (while the model runs).
+        mask_waits = defers_masks and previous is not None and any(
+            seq.grammar is not None and seq.num_placeholders for seq in sched.seqs)
         if not sched.is_empty:
-            self._in_flight = (sched, self.runner.dispatch(sched))
+            self._in_flight = (sched, self.runner.dispatch(sched, defer_masks=mask_waits))
             self._count_prompt_tokens(sched)
         if previous is not None:
-            outputs += self._finish(*previous)
+            applied = self._apply(*previous)
+            if mask_waits:
+                self.runner.sample_deferred(self._in_flight[1])
+            outputs += self._process(*applied)
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._finish(*self._in_flight)
             self._in_flight = None

@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from jaxserve.pallas_kernels.metadata import AttentionMetadata
 from jaxserve.sampler import SamplerOutput, to_runner_output
 from jaxserve.sampling_metadata import SamplingMetadata
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.structured_output import fill_token_masks
 from jaxserve.step_program import (
     dummy_inputs, forward_step, forward_step_with_prompt_logprobs, mm_kwargs, pack_inputs, run_model, sample_padded,
 )
@@ -57,9 +58,10 @@ logger = logging.getLogger("jaxserve")
 class StepHandle:
     """A dispatched step whose results may still be computing on the device."""
 
-    sampled: SamplerOutput  # device arrays
+    sampled: Optional[SamplerOutput]  # device arrays (None until ``sample_deferred`` launches a held-back sampler)
     num_rows: int  # real sequences in the step
     prompt_logprobs: Any = None  # PromptLogprobs (device arrays) when some sequence wanted them
+    deferred: Any = None  # dispatch(defer_masks=True): (launch the sampler, seqs, SamplingMetadata) until sampled
 
 
 class ModelRunner:
@@ -333,9 +335,19 @@ class ModelRunner:
         """Run one scheduled step and wait for it; rows of the result follow ``sched.seqs``."""
         return self.fetch(self.dispatch(sched))
 
-    def dispatch(self, sched: SchedulerOutput) -> StepHandle:
+    @property
+    def defers_masks(self) -> bool:
+        """Whether ``dispatch`` can launch the model before a grammar's mask is known (the compiled path, whose
+        sampler is a program of its own)."""
+        return self._eager_model is None
+
+    def dispatch(self, sched: SchedulerOutput, defer_masks: bool = False) -> StepHandle:
         """Launch one scheduled step without waiting for it. Placeholder tokens (``seq.num_placeholders``)
-        are taken on the device from the samples of the step dispatched just before this one."""
+        are taken on the device from the samples of the step dispatched just before this one.
+
+        ``defer_masks`` (structured outputs, with ``defers_masks``): launch the model only; the sampler waits for
+        ``sample_deferred``, which fills the grammar rows' masks once their grammars have taken the tokens of the
+        step before (read back while this one's model runs)."""
         t, s, b, decode_only = self._shapes_for(sched)
         if (t, b, decode_only) not in self.compiled_shapes and self._eager_model is None:
             # Not compiled at start-up (precompile): jit compiles it inside this call, once.
@@ -352,17 +364,27 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             lora_slots=self.lora.prepare([seq.lora_request for seq in sched.seqs]) if self.lora is not None else None,
         )
-        sampling_md = SamplingMetadata.from_seqs(sched.seqs, s, self._history_len(sched))
+        sampling_md = SamplingMetadata.from_seqs(sched.seqs, s, self._history_len(sched), fill_masks=not defer_masks)
         mm_fields = None
         if self.vision is not None:  # encodes (dispatches) any image this step reads that is not cached
             mm_fields = self.vision.step_fields(sched.seqs, x.positions, x.query_start_loc)
         if self._calibration_pending:
             self._calibrate_kv_scales(sched, x)
         targets = prompt_logprobs.targets_for(sched.seqs, t)
-        out, plp = self._run(x, sampling_md, decode_only, mm_fields, targets)
-        self._last_tokens = out.token_ids
+        out, plp = self._run(x, sampling_md, decode_only, mm_fields, targets, defer_masks)
         self.num_steps += 1
+        if defer_masks:  # ``out`` launches the sampler
+            return StepHandle(None, len(sched.seqs), plp, deferred=(out, sched.seqs, sampling_md))
+        self._last_tokens = out.token_ids
         return StepHandle(out, len(sched.seqs), plp)
+
+    def sample_deferred(self, handle: StepHandle) -> None:
+        """Fill the grammar rows' masks of a step dispatched with ``defer_masks`` and launch its sampler (before
+        the next dispatch, which takes its placeholders from these samples)."""
+        launch, seqs, md = handle.deferred
+        fill_token_masks(md.token_mask, seqs, [i for i, seq in enumerate(seqs) if seq.sample and seq.grammar is not None])
+        handle.sampled, handle.deferred = launch(), None
+        self._last_tokens = handle.sampled.token_ids
 
     def _calibrate_kv_scales(self, sched: SchedulerOutput, x: StepInputs) -> None:
         """calculate_kv_scales: set every layer's fp8 scales from this (the first) step's K/V, before it runs."""
@@ -401,9 +423,12 @@ class ModelRunner:
         return () if self.vision is None else (mm_fields, self.vision.pool)
 
     def _run(
-        self, x: StepInputs, sampling_md: SamplingMetadata, decode_only: bool = False, mm_fields=None, targets=None
-    ) -> tuple[SamplerOutput, Any]:
-        """-> (the samples, PromptLogprobs or None); ``targets`` [T] (prompt_logprobs.targets_for) or None."""
+        self, x: StepInputs, sampling_md: SamplingMetadata, decode_only: bool = False, mm_fields=None, targets=None,
+        defer_sampling: bool = False,
+    ) -> tuple[Any, Any]:
+        """-> (the samples, PromptLogprobs or None); ``targets`` [T] (prompt_logprobs.targets_for) or None.
+        ``defer_sampling`` (compiled path): the model only, and instead of the samples a function that launches
+        the sampler."""
         plp = None
         if self._eager_model is not None:
             md = self._metadata(x)
@@ -425,7 +450,9 @@ class ModelRunner:
             logits, greedy, self.kv_caches, plp = self._plp_program(key, args)(*args)
         if sampling_md.plain_greedy:
             return SamplerOutput(token_ids=greedy), plp  # the step's own argmax: no sampler program to launch
-        return self._sampler_programs.get(_sampler_key(sampling_md), self._sample)(logits, sampling_md), plp
+        sampler = functools.partial(self._sampler_programs.get(_sampler_key(sampling_md), self._sample), logits,
+                                    sampling_md)
+        return (sampler if defer_sampling else sampler()), plp
 
     # ------------------------------------------------------------------ compile
 

@@ -78,11 +78,15 @@ class SamplingMetadata:
         )
 
     @classmethod
-    def from_seqs(cls, seqs: Sequence[ScheduledSeq], num_rows: int, history_len: int = 0) -> "SamplingMetadata":
+    def from_seqs(
+        cls, seqs: Sequence[ScheduledSeq], num_rows: int, history_len: int = 0, fill_masks: bool = True
+    ) -> "SamplingMetadata":
         """Rows follow ``seqs``, padded to ``num_rows``.
 
         ``history_len`` (a bucket >= the longest ``seq.history``) sizes the penalty history; it is
         only read when some row uses penalties, and 0 then means "exactly the longest history".
+        ``fill_masks=False``: grammar rows' token masks are left all-allowed, for the caller to fill
+        (structured_output.fill_token_masks) once their grammars have taken the tokens still in flight.
         """
         if num_rows < len(seqs):
             raise ValueError(f"num_rows={num_rows} is smaller than the number of sequences ({len(seqs)})")
@@ -144,7 +148,8 @@ class SamplingMetadata:
             np.full((num_rows, 0), -1, np.int32), np.zeros((num_rows, 0), np.float32))
         grammar_rows = [i for i in rows if seqs[i].grammar is not None] if any(
             sp.structured_outputs is not None for sp in unique) else []
-        token_mask = token_masks(seqs, grammar_rows, num_rows) if grammar_rows else np.full((num_rows, 0), -1, np.int32)
+        token_mask = (token_masks(seqs, grammar_rows, num_rows, fill_masks) if grammar_rows
+                      else np.full((num_rows, 0), -1, np.int32))
         penalty_rows = [i for i in rows if seqs[i].sampling_params.uses_penalties] if needs_penalties else []
         history = _history(seqs, penalty_rows, num_rows, history_len) if needs_penalties else None
         return cls(

@@ -123,8 +123,9 @@ class SamplingParams:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """The next step's inputs need every token sampled so far on the host (penalties read the history, a
-        grammar's mask follows the tokens taken): the asynchronous loop reads the step in flight back first."""
+        """The next step's sampler needs every token sampled so far on the host (penalties read the history, a
+        grammar's mask follows the tokens taken): the asynchronous loop reads the step in flight back first (for
+        a grammar, before launching the sampler only), and such a request does not speculate."""
         return self.uses_penalties or self.structured_outputs is not None
 
     @property

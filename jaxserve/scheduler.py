@@ -299,12 +299,16 @@ class Scheduler:
             self.running = [r for r in self.running if not r.status.finished]
         return updated
 
-    def has_pending_host_token_rows(self) -> bool:
-        """Whether a running request with a token in flight needs its tokens on the host (penalties, a grammar):
-        its next step needs that token, so the engine reads the step in flight back before scheduling."""
+    def has_pending_host_token_rows(self, grammar: bool = True) -> bool:
+        """Whether a running request with a token in flight needs its tokens on the host before the next step is
+        scheduled (penalties; a grammar too unless ``grammar=False``, when the runner can hold the sampler back
+        until the grammar has taken the token), so the engine reads the step in flight back first."""
         if not self._num_host_token_requests:
             return False
-        return any(r.num_pending_tokens and r.sampling_params.needs_host_tokens for r in self.running)
+        return any(
+            r.num_pending_tokens and (r.sampling_params.uses_penalties or (grammar and r.grammar is not None))
+            for r in self.running
+        )
 
     # ---- helpers ----
 

@@ -38,7 +38,8 @@ class ScheduledSeq:
     mm: Any = None
     # This step's tokens of the prompt should be scored for prompt logprobs (jaxserve.prompt_logprobs).
     prompt_logprobs: bool = False
-    # With structured outputs: the sample's jaxserve.structured_output.Grammar (its mask is filled at input building).
+    # With structured outputs: the sample's jaxserve.structured_output.Grammar (its mask row is filled at input
+    # building, or after the step in flight is read back: ModelRunner.sample_deferred).
     grammar: Any = None
 
 

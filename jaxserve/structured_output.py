@@ -3,14 +3,15 @@ Lark grammar (``SamplingParams.structured_outputs``, vLLM's StructuredOutputsPar
 
 Each sample of such a request holds a grammar matcher on the host (``Grammar``; the llguidance library parses
 the grammar and walks the tokenizer's vocabulary). Before a step samples the request's next token, the matcher
-writes the tokens it allows into that row of a bitmask, 32 tokens an int32 word (``Grammar.fill``, called by
-SamplingMetadata.from_seqs); the sampler sets every other logit to -inf (``sampler.apply_token_mask``). Once the
+writes the tokens it allows into that row of a bitmask, 32 tokens an int32 word (``Grammar.fill``, through
+``fill_token_masks``); the sampler sets every other logit to -inf (``sampler.apply_token_mask``). Once the
 step is read back, the sampled token advances the matcher (``Grammar.accept``, from the scheduler's stop checks),
 and a request whose grammar is complete stops there with finish_reason "stop", without spending a step on EOS.
 
-A step's mask needs the token the step before it sampled, so the asynchronous loop reads a step back before
-scheduling the next while a running request has a grammar (as with penalties): those batches give up the overlap
-of host and device work. Logprobs stay those of the model's own distribution, as vLLM reports them.
+A step's mask needs the token the step before it sampled, but only its sampler reads the mask: the asynchronous
+loop launches the step's model first, then reads the step before back (advancing the matchers), fills the masks
+and launches the sampler while the model runs (``ModelRunner.sample_deferred``). Logprobs stay those of the
+model's own distribution, as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ class Grammar:
             return False
         return not self.matcher.is_stopped()
 
+    @property
+    def ended(self) -> bool:
+        """The grammar is complete or refused a token: its request has stopped."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
     def copy(self) -> "Grammar":
         return Grammar(self.matcher.deep_copy(), self.words)
 
@@ -175,22 +181,32 @@ class GrammarCompiler:
 _executor = None  # llguidance's thread pool for the masks of many rows at once (made on first use)
 
 
-def token_masks(seqs, rows: list[int], num_rows: int) -> np.ndarray:
+def token_masks(seqs, rows: list[int], num_rows: int, fill: bool = True) -> np.ndarray:
     """[S, W] int32 bitmask: the allowed tokens of each row in ``rows`` (sequences holding a grammar), every token
-    allowed elsewhere (-1: all bits set). Several rows are filled in parallel on llguidance's own threads (it
-    releases the GIL): 10-70 us a row on one core, which a batch of hundreds would otherwise pay in series."""
-    global _executor
+    allowed elsewhere (-1: all bits set). ``fill=False``: every token allowed everywhere, for ``fill_token_masks``
+    to fill once the grammars have taken the tokens still in flight."""
     mask = np.full((num_rows, seqs[rows[0]].grammar.words), -1, np.int32)
-    if len(rows) == 1:
-        seqs[rows[0]].grammar.fill(mask, rows[0])
-        return mask
-    import llguidance
-    from llguidance.numpy import fill_next_token_bitmask_par
-
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
-    fill_next_token_bitmask_par(_executor, [(seqs[i].grammar.matcher, i) for i in rows], mask)
+    if fill:
+        fill_token_masks(mask, seqs, rows)
     return mask
+
+
+def fill_token_masks(mask: np.ndarray, seqs, rows: list[int]) -> None:
+    """Write the allowed tokens of each row in ``rows`` into ``mask``. Several rows are filled in parallel on
+    llguidance's own threads (it releases the GIL): 10-70 us a row on one core, which a batch of hundreds would
+    otherwise pay in series. A grammar that has ended (its request finished on the token just read back; this
+    row's sample will be dropped) is skipped: its row stays all-allowed."""
+    global _executor
+    live = [i for i in rows if not seqs[i].grammar.ended]
+    if len(live) == 1:
+        seqs[live[0]].grammar.fill(mask, live[0])
+    elif live:
+        import llguidance
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        fill_next_token_bitmask_par(_executor, [(seqs[i].grammar.matcher, i) for i in live], mask)
 
 
 def _short(value: Any, limit: int = 80) -> str:

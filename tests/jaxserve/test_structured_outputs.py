@@ -99,6 +99,20 @@ def test_unconstrained_requests_beside_them_are_unchanged(llm):
     _assert_obeys("regex", mixed[3:])
 
 
+def test_masks_wait_for_the_token_in_flight(llm, monkeypatch):
+    """The asynchronous loop launches a grammar batch's model before the step in flight is read back, and fills the
+    masks and launches the sampler after: the samples equal the synchronous loop's (seeded, n=2)."""
+    runner = llm.llm_engine.runner
+    deferred = []
+    monkeypatch.setattr(runner, "sample_deferred", lambda h, f=runner.sample_deferred: (deferred.append(h), f(h)))
+    outs = _generate(llm, "json", prompts=PROMPTS[:2], temperature=1.0, seed=7, n=2)
+    assert deferred
+    sync = LLM(checkpoint("llama_gqa"), **small_engine_kwargs(async_scheduling=False))
+    reference = _generate(sync, "json", prompts=PROMPTS[:2], temperature=1.0, seed=7, n=2)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in reference]
+    _assert_obeys("json", outs)
+
+
 def test_greedy_takes_the_best_allowed_token(llm):
     """With a choice of single tokens, greedy picks the one the model ranks highest among them: the same token an
     equal logit_bias on just those tokens makes the argmax."""
