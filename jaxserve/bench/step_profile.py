@@ -75,11 +75,12 @@ def _profile(ns: argparse.Namespace, args) -> int:
     stats: dict[tuple, list] = collections.defaultdict(lambda: [0, 0.0])
     dispatch = runner.dispatch
 
-    def timed(sched):
+    def timed(sched, **kwargs):  # kwargs: the engine's dispatch options (defer_masks), passed through unchanged
         t, _, b, _ = runner._shapes_for(sched)
         start = time.perf_counter()
-        handle = dispatch(sched)
-        jax.block_until_ready(handle.sampled)  # the engine runs one step at a time here (see below)
+        handle = dispatch(sched, **kwargs)
+        if handle.sampled is not None:  # a step whose sampler waits (grammar masks) is timed to its launch only
+            jax.block_until_ready(handle.sampled)  # the engine runs one step at a time here (see below)
         decodes = sum(len(s.token_ids) == 1 for s in sched.seqs)
         kind = "decode" if decodes == len(sched.seqs) else ("prefill" if decodes == 0 else "mixed")
         entry = stats[(t, b * runner.block_size, kind)]
