@@ -3,9 +3,10 @@
 --num-prompts random prompts of about --input-len tokens each generate a JSON record under a schema (strings of
 bounded length, an integer, an enum, a short array), greedy. Then the same prompts run unconstrained, each
 generating exactly as many tokens as its constrained run did (ignore_eos), so the two runs do the same model work
-and differ only by the grammar: its masks on the host, their trip to the device, and the asynchronous loop's
-overlap, which a grammar gives up (the next step's mask needs this step's token). Reported: output tokens/s of
-both, the cost in %, and the share of outputs that parse and fit the schema.
+and differ only by the grammar: its host work each step (taking the token just read back, then the next masks),
+the masks' trip to the device, and the sampler's wait for them (the model itself still overlaps that host work:
+architecture.md, "Wait, but only the sampler"). Reported: output tokens/s of both, the cost in %, and the share
+of outputs that parse and fit the schema.
 
     jaxserve bench structured [--model DIR] [--num-prompts 64 --input-len 256]
 """

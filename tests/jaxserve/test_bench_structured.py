@@ -1,5 +1,5 @@
 """`jaxserve bench structured` end to end on a tiny checkpoint: every record fits the schema, and the unconstrained
-run generates exactly as many tokens."""
+run generates exactly as many tokens; the forced tool calls' grammar timing (bench.tool_grammar)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,14 @@ def test_fits_checks_every_field():
     good = '{"name": "a", "age": 3, "role": "admin", "email": "b", "tags": ["x"]}'
     assert fits(good)
     assert not fits(good.replace('"admin"', '"root"')) and not fits(good[:-1]) and not fits('{"name": "a"}')
+
+
+def test_tool_grammar_bench_times_each_choice(tmp_path):
+    from jaxserve.bench import tool_grammar
+
+    out = tmp_path / "tools.json"
+    assert tool_grammar.main(["--tools", "1,2", "--out", str(out)]) == 0  # the default model's tokenizer
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tool_choice"], r["tools"]) for r in rows] == [("required", 1), ("named", 1), ("required", 2),
+                                                              ("named", 2)]
+    assert all(r["compile_ms"] > 0 and r["first_mask_ms"] > 0 for r in rows)
