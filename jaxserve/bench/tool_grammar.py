@@ -12,7 +12,6 @@ writes JSON with --out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -58,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import llguidance
 
+    from jaxserve.bench import report
     from jaxserve.model_loader import load_tokenizer, resolve_model_path
     from jaxserve.server.protocol import NamedToolChoice
     from jaxserve.server.tool_calls import forced_call_schema
@@ -79,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['tool_choice']:>11} {r['tools']:>5} {r['compile_ms']:>10.2f} {r['first_mask_ms']:>13.3f}")
     result = {"rows": rows, "vocabulary": len(tokenizer), "llguidance": llguidance.__version__,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report.write_json(result, ns.out)
     return 0
 
 
