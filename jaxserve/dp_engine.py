@@ -63,7 +63,7 @@ class DPEngine:
         self.tokenizer = first["tokenizer"]
         self._tokenizer_lock = threading.Lock()  # LLMEngine.tokenize_prompt's, which this engine borrows
         self.eos_token_ids = first["eos_token_ids"]
-        self._grammar_compiler = None  # LLMEngine._compile_grammar's, which this engine borrows
+        self._grammar_compiler = None  # LLMEngine._compile_grammar's, which this engine borrows (below)
         self._placements: dict[str, _Placement] = {}
         self._outputs: list[RequestOutput] = []  # arrived, not yet returned by step()
         self._replies: dict[int, Any] = {}  # seq -> an abort's or rpc's answer
@@ -120,6 +120,10 @@ class DPEngine:
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         LLMEngine.validate_prompt(self, prompt_ids, params)
 
+    # A request's constraint is built here once, only to check it: the replica builds its own.
+    _token_constraint = LLMEngine._token_constraint
+    _compile_grammar = LLMEngine._compile_grammar
+
     def add_request(
         self,
         request_id: str,
@@ -133,8 +137,8 @@ class DPEngine:
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids, params)
-        if params.structured_outputs is not None:  # a constraint that does not compile fails here, not in a replica
-            LLMEngine._compile_grammar(self, params)
+        # A constraint that does not compile (or a bad allowed_token_ids, bad_words) fails here, not in a replica.
+        self._token_constraint(params)
         if lora_request is not None and lora_request not in self._loras:
             self.add_lora(lora_request)  # checked by every replica here, so a replica's add cannot fail on it
         room = self.model_config.max_model_len - len(prompt_ids)

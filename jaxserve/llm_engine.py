@@ -16,7 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from jaxserve import prompt_logprobs
+from jaxserve import prompt_logprobs, token_rules
 from jaxserve.engine_setup import EngineComponents, build_engine_components
 from jaxserve.config import EngineArgs
 from jaxserve.detokenizer import IncrementalDetokenizer
@@ -27,6 +27,7 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_metadata import MAX_BANNED
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import SchedulerOutput
+from jaxserve.structured_output import Grammar
 
 if TYPE_CHECKING:
     from jaxserve.model_runner import StepHandle
@@ -218,7 +219,7 @@ class LLMEngine:
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
+        grammar = self._token_constraint(params)
         samples = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
@@ -239,6 +240,18 @@ class LLMEngine:
         self.output_processor.add(group)
         for s in samples:
             self.scheduler.add_request(s.request)
+
+    def _token_constraint(self, params: SamplingParams):
+        """The request's structured_output.Grammar: its structured_outputs' matcher and its token rules
+        (allowed_token_ids, bad_words), or None when it has neither. ValueError naming the field when one is bad."""
+        if not params.uses_token_mask:
+            return None
+        rules = token_rules.build_token_rules(params, self.tokenizer, self.text_config.vocab_size)
+        if params.structured_outputs is None:
+            return Grammar(None, token_rules.mask_words(self.text_config.vocab_size), rules)
+        grammar = self._compile_grammar(params)
+        grammar.rules = rules
+        return grammar
 
     def _compile_grammar(self, params: SamplingParams):
         """A matcher for the request's structured_outputs (jaxserve.structured_output); ValueError if it does not

@@ -147,7 +147,7 @@ class SamplingMetadata:
         bias_ids, bias_values = _logit_bias(seqs, rows, num_rows) if any(sp.logit_bias for sp in unique) else (
             np.full((num_rows, 0), -1, np.int32), np.zeros((num_rows, 0), np.float32))
         grammar_rows = [i for i in rows if seqs[i].grammar is not None] if any(
-            sp.structured_outputs is not None for sp in unique) else []
+            sp.uses_token_mask for sp in unique) else []
         token_mask = (token_masks(seqs, grammar_rows, num_rows, fill_masks) if grammar_rows
                       else np.full((num_rows, 0), -1, np.int32))
         penalty_rows = [i for i in rows if seqs[i].sampling_params.uses_penalties] if needs_penalties else []

@@ -42,6 +42,11 @@ class SamplingParams:
     # Constrain the output to a JSON schema, any JSON object, a regex, a choice or a Lark grammar
     # (jaxserve.structured_output). A dict of StructuredOutputsParams's fields is accepted too.
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids; end-of-sequence tokens too, so leave them out
+    # and the request runs to max_tokens). jaxserve.token_rules.
+    allowed_token_ids: Optional[list[int]] = None
+    # Words the output may not contain (vLLM's bad_words): a word's last token is banned after the rest of it.
+    bad_words: Optional[list[str]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -59,6 +64,8 @@ class SamplingParams:
             self.top_k = 0
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._validate()
 
     def _validate(self) -> None:
@@ -101,6 +108,17 @@ class SamplingParams:
             raise bad("output_kind", self.output_kind, "must be 'cumulative' or 'final_only'")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "must be non-empty strings")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids (integers "
+                      ">= 0)")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, (list, tuple)) or any(not isinstance(w, str) or not w.strip()
+                                                                 for w in self.bad_words)
+        ):
+            raise bad("bad_words", self.bad_words, "must be a list of words (non-blank strings)")
 
     def _validate_logit_bias(self, bad) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -122,11 +140,17 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def uses_token_mask(self) -> bool:
+        """The sampler masks this request's logits with a row built on the host: a structured-outputs grammar,
+        allowed_token_ids or bad_words (each sample holds a structured_output.Grammar)."""
+        return self.structured_outputs is not None or bool(self.allowed_token_ids) or bool(self.bad_words)
+
+    @property
     def needs_host_tokens(self) -> bool:
         """The next step's sampler needs every token sampled so far on the host (penalties read the history, a
-        grammar's mask follows the tokens taken): the asynchronous loop reads the step in flight back first (for
-        a grammar, before launching the sampler only), and such a request does not speculate."""
-        return self.uses_penalties or self.structured_outputs is not None
+        token mask follows the tokens taken): the asynchronous loop reads the step in flight back first (for
+        a mask, before launching the sampler only), and such a request does not speculate."""
+        return self.uses_penalties or self.uses_token_mask
 
     @property
     def uses_filters(self) -> bool:

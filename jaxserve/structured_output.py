@@ -116,22 +116,32 @@ class StructuredOutputsParams:
 
 
 class Grammar:
-    """One sample's matcher: the tokens allowed next (``fill``) and the tokens taken (``accept``)."""
+    """One sample's token constraint: an llguidance matcher (structured outputs), ``token_rules.TokenRules``
+    (allowed_token_ids, bad_words), or both. ``fill`` writes the tokens allowed next, ``accept`` takes a token."""
 
-    __slots__ = ("matcher", "words")
+    __slots__ = ("matcher", "words", "rules")
 
-    def __init__(self, matcher, words: int):
-        self.matcher = matcher
+    def __init__(self, matcher, words: int, rules=None):
+        self.matcher = matcher  # llguidance.LLMatcher, or None: the rules alone
         self.words = words  # int32 words of a mask row: ceil(vocabulary / 32)
+        self.rules = rules  # token_rules.TokenRules, or None
 
     def fill(self, mask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into ``mask[row]`` ([S, words] int32, bit t % 32 of word t // 32)."""
-        from llguidance.numpy import fill_next_token_bitmask
+        """Write the allowed next tokens into ``mask[row]`` ([S, words] int32, bit t % 32 of word t // 32; a row
+        without a matcher must arrive all-allowed)."""
+        if self.matcher is not None:
+            from llguidance.numpy import fill_next_token_bitmask
 
-        fill_next_token_bitmask(self.matcher, mask, row)
+            fill_next_token_bitmask(self.matcher, mask, row)
+        if self.rules is not None:
+            self.rules.apply(mask[row])
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token. False: the request stops here (the grammar is complete, or refused it)."""
+        if self.rules is not None:
+            self.rules.accept(token)
+        if self.matcher is None:
+            return True
         if not self.matcher.consume_token(token):
             logger.warning("structured output: the grammar refused token %d (%s); stopping the request", token,
                            self.matcher.get_error())
@@ -141,10 +151,11 @@ class Grammar:
     @property
     def ended(self) -> bool:
         """The grammar is complete or refused a token: its request has stopped."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        return self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error())
 
     def copy(self) -> "Grammar":
-        return Grammar(self.matcher.deep_copy(), self.words)
+        return Grammar(None if self.matcher is None else self.matcher.deep_copy(), self.words,
+                       None if self.rules is None else self.rules.copy())
 
 
 class GrammarCompiler:
@@ -198,15 +209,23 @@ def fill_token_masks(mask: np.ndarray, seqs, rows: list[int]) -> None:
     row's sample will be dropped) is skipped: its row stays all-allowed."""
     global _executor
     live = [i for i in rows if not seqs[i].grammar.ended]
-    if len(live) == 1:
-        seqs[live[0]].grammar.fill(mask, live[0])
-    elif live:
-        import llguidance
-        from llguidance.numpy import fill_next_token_bitmask_par
+    matched = [i for i in live if seqs[i].grammar.matcher is not None]
+    if len(matched) == 1:
+        seqs[matched[0]].grammar.fill(mask, matched[0])  # its rules too, if any
+    else:
+        if matched:
+            import llguidance
+            from llguidance.numpy import fill_next_token_bitmask_par
 
-        if _executor is None:
-            _executor = llguidance.LLExecutor()
-        fill_next_token_bitmask_par(_executor, [(seqs[i].grammar.matcher, i) for i in live], mask)
+            if _executor is None:
+                _executor = llguidance.LLExecutor()
+            fill_next_token_bitmask_par(_executor, [(seqs[i].grammar.matcher, i) for i in matched], mask)
+        for i in matched:
+            if seqs[i].grammar.rules is not None:
+                seqs[i].grammar.rules.apply(mask[i])
+    for i in live:
+        if seqs[i].grammar.matcher is None:  # rules alone: the row is all-allowed until they apply
+            seqs[i].grammar.rules.apply(mask[i])
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -53,6 +53,8 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, + this many top
     logit_bias: Optional[dict[str, float]] = None  # OpenAI's: {"token id": bias in [-100, 100]}
+    allowed_token_ids: Optional[list[int]] = None  # only these tokens may be sampled
+    bad_words: Optional[list[str]] = None  # words the output may not contain
     # Structured outputs, three spellings: OpenAI's response_format (json_object, json_schema), vLLM's
     # structured_outputs {json | regex | choice | grammar | json_object} and its older guided_* fields.
     response_format: Optional[ResponseFormat] = None
@@ -105,6 +107,8 @@ class _SamplingFields(_Request):
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             logit_bias=_token_bias(self.logit_bias),
             structured_outputs=self._structured_outputs(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )

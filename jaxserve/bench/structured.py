@@ -9,6 +9,11 @@ architecture.md, "Wait, but only the sampler"). Reported: output tokens/s of bot
 of outputs that parse and fit the schema.
 
     jaxserve bench structured [--model DIR] [--num-prompts 64 --input-len 256]
+        [--constraint json | bad_words | allowed_token_ids]
+
+``--constraint`` other than json prices the token rules that share the grammar's mask instead: ``bad_words`` bans
+BAD_WORDS (common English words, each banned after its other tokens), ``allowed_token_ids`` allows the lower half
+of the vocabulary; each request generates --max-tokens tokens (ignore_eos), then the same tokens run unconstrained.
 """
 
 from __future__ import annotations
@@ -33,12 +38,21 @@ SCHEMA = {
 }
 
 
+# --constraint bad_words: words a model writes all the time, so their bans apply at many steps.
+BAD_WORDS = ["the", "and", "of", "to", "in", "is", "that", "it"]
+CONSTRAINTS = ("json", "bad_words", "allowed_token_ids")
+
+
 def add_parser(bench_sub, add_engine_args) -> None:
     p = bench_sub.add_parser("structured", help="structured outputs (a JSON schema) vs the same tokens unconstrained")
     p.add_argument("--num-prompts", "--num_prompts", dest="num_prompts", type=int, default=64)
     p.add_argument("--input-len", "--input_len", dest="input_len", type=int, default=256)
     p.add_argument("--range-ratio", "--range_ratio", dest="range_ratio", type=float, default=0.5,
                    help="prompt lengths uniform in input-len * (1 -/+ ratio)")
+    p.add_argument("--constraint", choices=CONSTRAINTS, default="json",
+                   help="json: a JSON schema (default); bad_words / allowed_token_ids: the token rules instead")
+    p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=64,
+                   help="tokens per request under bad_words / allowed_token_ids (default 64)")
     p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -80,7 +94,11 @@ def run(ns: argparse.Namespace) -> int:
     startup_s = time.perf_counter() - t0
     engine = llm.llm_engine
     room = engine.model_config.max_model_len - max(len(w.prompt_token_ids) for w in work)
-    constrained = SamplingParams(temperature=0.0, max_tokens=min(256, room), structured_outputs={"json": SCHEMA})
+    rules = {"json": dict(max_tokens=min(256, room), structured_outputs={"json": SCHEMA}),
+             "bad_words": dict(max_tokens=min(ns.max_tokens, room), ignore_eos=True, bad_words=BAD_WORDS),
+             "allowed_token_ids": dict(max_tokens=min(ns.max_tokens, room), ignore_eos=True,
+                                       allowed_token_ids=list(range(cfg.vocab_size // 2)))}[ns.constraint]
+    constrained = SamplingParams(temperature=0.0, **rules)
     llm.generate(batch, constrained, use_tqdm=False)  # warm-up: the grammar's tokenizer view and every step shape
     start = time.perf_counter()
     outs = llm.generate(batch, constrained, use_tqdm=True)
@@ -92,12 +110,14 @@ def run(ns: argparse.Namespace) -> int:
     llm.generate(batch, same, use_tqdm=False)
     plain_s = time.perf_counter() - start
     tokens = sum(lengths)
-    valid = sum(fits(o.outputs[0].text) for o in outs) if engine.tokenizer is not None else None
+    json_ok = ns.constraint == "json" and engine.tokenizer is not None
+    valid = sum(fits(o.outputs[0].text) for o in outs) if json_ok else None
     result = {
         "engine": "jaxserve",
         "model": engine.model_config.served_model_name,
         "workload": dict(num_prompts=ns.num_prompts, input_len=ns.input_len, range_ratio=ns.range_ratio),
-        "schema": SCHEMA,
+        "constraint": ns.constraint,
+        "schema": SCHEMA if ns.constraint == "json" else rules.get("bad_words", "allowed_token_ids: lower half"),
         "output_tokens": tokens,
         "constrained_s": constrained_s,
         "constrained_tokens_per_s": tokens / constrained_s,
@@ -110,9 +130,11 @@ def run(ns: argparse.Namespace) -> int:
         "startup_s": startup_s,
         **report.run_fields(engine, args),
     }
-    print(f"jaxserve: {len(batch)} JSON records ({tokens} tokens, {valid} of {len(batch)} parse and fit the schema) "
-          f"in {constrained_s:.2f}s: {result['constrained_tokens_per_s']:.0f} out tok/s; the same tokens unconstrained "
-          f"{result['unconstrained_tokens_per_s']:.0f} tok/s (the schema costs {100 * result['structured_cost']:+.0f}%)")
+    what = (f"JSON records ({tokens} tokens, {valid} of {len(batch)} parse and fit the schema)" if ns.constraint ==
+            "json" else f"outputs under {ns.constraint} ({tokens} tokens)")
+    print(f"jaxserve: {len(batch)} {what} in {constrained_s:.2f}s: {result['constrained_tokens_per_s']:.0f} out tok/s; "
+          f"the same tokens unconstrained {result['unconstrained_tokens_per_s']:.0f} tok/s (the {ns.constraint} "
+          f"constraint costs {100 * result['structured_cost']:+.0f}%)")
     print(f"example: {result['example']}")
     print(json.dumps({k: v for k, v in result.items() if k not in ("schema", "engine_args")}, indent=1))
     report.write_json(result, ns.output_json)

@@ -323,10 +323,10 @@ def _spec_rows(seqs, x, s: int, num_rows: int) -> tuple[np.ndarray, np.ndarray, 
 def _plain_greedy(seqs) -> bool:
     """Whether every row surely takes the bare argmax (SamplingMetadata.plain_greedy) without building the
     metadata: greedy, no penalties, no logprobs, no min_tokens (whose bans depend on the row), no logit_bias, no
-    grammar. A False may still turn out plain once the metadata is built."""
+    token mask. A False may still turn out plain once the metadata is built."""
     distinct = {id(seq.sampling_params): seq.sampling_params for seq in seqs}.values()  # often one
     return all(sp.greedy and not sp.uses_penalties and sp.logprobs is None and not sp.min_tokens and not sp.logit_bias
-               and sp.structured_outputs is None for sp in distinct)  # fmt: skip
+               and not sp.uses_token_mask for sp in distinct)  # fmt: skip
 
 
 def _row_bucket(n: int) -> int:

@@ -23,6 +23,18 @@ def test_bench_structured_reports_both_runs(tmp_path):
     assert fits(result["example"]) and result["jax"] and result["engine_args"]["dtype"] == "float32"
 
 
+def test_bench_structured_prices_the_token_rules(tmp_path):
+    for constraint in ("bad_words", "allowed_token_ids"):
+        out = tmp_path / f"{constraint}.json"
+        rc = main(["bench", "structured", "--model", checkpoint("llama_gqa"), "--dtype", "float32", "--num-prompts",
+                   "3", "--input-len", "20", "--max-model-len", "256", "--max-tokens", "8", "--constraint", constraint,
+                   "--compilation-cache-dir", "", "--precompile", "none", "--output-json", str(out)])  # fmt: skip
+        assert rc == 0
+        result = json.loads(out.read_text())
+        assert result["constraint"] == constraint and result["output_tokens"] == 24
+        assert result["finish_reasons"] == {"stop": 0, "length": 3} and result["valid_outputs"] is None
+
+
 def test_fits_checks_every_field():
     good = '{"name": "a", "age": 3, "role": "admin", "email": "b", "tags": ["x"]}'
     assert fits(good)

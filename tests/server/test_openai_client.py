@@ -167,6 +167,27 @@ def test_logit_bias_on_both_endpoints(client):
     assert all(t.logprob < 0 for t in chat.choices[0].logprobs.content)  # the model's own logprobs, not biased
 
 
+def test_allowed_token_ids_and_bad_words_on_both_endpoints(client):
+    """vLLM's extras, through the client's extra_body: streamed and not, completions and chat."""
+    tokens = client.completions.create(model="tiny", prompt=[1, 2, 42, 43], max_tokens=1, temperature=0, echo=True,
+                                       logprobs=0).choices[0].logprobs.tokens[2:4]
+    allowed = {"allowed_token_ids": [42, 43], "ignore_eos": True}
+    resp = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=1.0, seed=1,
+                                     extra_body=allowed, logprobs=0)
+    assert set(resp.choices[0].logprobs.tokens) <= set(tokens) and resp.choices[0].finish_reason == "length"
+    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                            temperature=0, stream=True, extra_body=allowed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                           temperature=0, extra_body=allowed).choices[0].message.content
+    assert text == whole and whole.replace(tokens[0], "").replace(tokens[1], "") == ""
+    kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=12, temperature=0, logprobs=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    i, word = next((i, t) for i, t in enumerate(plain) if t.strip().isalpha())  # a word the tiny model writes
+    banned = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [word]}).choices[0]
+    assert banned.logprobs.tokens[:i] == plain[:i] and word not in banned.logprobs.tokens, (word, plain)
+
+
 def test_chat_continue_final_message(client, server):
     import httpx
 
