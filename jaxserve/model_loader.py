@@ -65,11 +65,12 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
 
 def load_model(
     path: str, fmt: str, *, dtype, attention_fn, seed: int = 0, shardings_fn=None, fp32_matmul_precision="highest",
-    progress: bool = False,
+    progress: bool = False, quantization: Optional[str] = "none",
 ):  # fmt: skip
     """Returns (model, TextModelConfig). ``shardings_fn(abstract_model)`` places parameters as they load (TP);
     ``fp32_matmul_precision`` is how a float32 model's matmuls run (jaxserve.pallas_kernels.precision);
-    ``progress`` shows a progress bar over the weights."""
+    ``progress`` shows a progress bar over the weights; ``quantization`` (EngineArgs.quantization: "gguf",
+    "none" or None for the automatic choice) whether a GGUF file's weights stay quantized (models/quantized.py)."""
     from jaxserve.models.config import TextModelConfig
 
     kw = dict(
@@ -77,6 +78,9 @@ def load_model(
         progress=progress,
     )  # fmt: skip
 
+    if quantization == "gguf" and fmt != "gguf":
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's weights quantized, but {path!r} is a {fmt} "
+                         "checkpoint: leave quantization unset, or serve a .gguf file")
     if fmt in ("safetensors", "dummy") and is_vision_language(path):
         return _load_qwen2_vl(path, fmt, seed=seed, **kw)
     if fmt == "safetensors":
@@ -89,7 +93,8 @@ def load_model(
 
         ckpt = read_gguf(path)
         cfg = TextModelConfig.from_hf_config(ckpt.hf_config)
-        model = load_from_hf_tensors(cfg, ckpt.packed_tensors(), **kw)
+        keep = keeps_quantized(ckpt, quantization, dtype)
+        model = load_from_hf_tensors(cfg, ckpt.packed_tensors(quantized_weights=keep), quantized_weights=keep, **kw)
         return model, cfg
     if fmt == "orbax":
         from jaxserve.models.loader.orbax_format import read_metadata
@@ -105,6 +110,26 @@ def load_model(
         model = load_dummy_model(cfg, seed=seed, **kw)
         return model, cfg
     raise ValueError(f"unknown model format {fmt!r}")
+
+
+def keeps_quantized(ckpt, quantization: Optional[str], dtype) -> bool:
+    """Whether a GGUF checkpoint's weights stay quantized: asked for ("gguf"; a ValueError names the tensor types
+    that cannot), refused ("none"), or by default where it pays: a float32 model on the CPU, whose native kernels
+    read the codes, with every projection and the embedding of a type kept quantized."""
+    import jax
+
+    if quantization == "none":
+        return False
+    unsupported = ckpt.unquantizable_types()
+    if quantization == "gguf":
+        if unsupported:
+            from jaxserve.models.quantized import BLOCK_BYTES
+
+            raise ValueError(f"quantization='gguf': this file's weights include {sorted(unsupported)}, which stay "
+                             f"quantized only as {sorted(BLOCK_BYTES)}; leave quantization unset (they are "
+                             "dequantized at load)")
+        return True
+    return not unsupported and jax.default_backend() == "cpu" and str(dtype) == "float32"
 
 
 def is_vision_language(path: str) -> bool:

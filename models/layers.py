@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models import cpu_bf16
+from jaxserve.models import cpu_bf16, quantized
 from jaxserve.models.config import TextModelConfig
 from jaxserve.pallas_kernels import cpu_native
 from jaxserve.pallas_kernels.precision import matmul_precision
@@ -73,13 +73,24 @@ class Linear(nnx.Module):
         out = tuple(out_features) if isinstance(out_features, (tuple, list)) else (out_features,)
         self.kernel = _param(rngs, (in_features, *out), param_dtype, axes, "normal")
         self.bias = _param(rngs, out, param_dtype, axes[1:], "zeros") if use_bias else None
+        self.weight_block = 0  # > 0: ``kernel`` holds block-quantized codes (models/quantized.py)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x [T, in] -> [T, *out]
-        kernel = self.kernel[...].astype(self.dtype)
-        y = cpu_bf16.matmul(x.astype(self.dtype), kernel, self.precision, self.dtype)  # bf16 on CPU: its fast form
+        y = self.product(x, self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+    def product(self, x: jax.Array, out_dtype) -> jax.Array:
+        """x [T, in] @ kernel -> [T, *out] in ``out_dtype``, without the bias (float32 sums rounded once)."""
+        if self.weight_block:
+            codes, scale, offset = self.kernel[...], self.kernel_scale[...], self.kernel_offset[...]
+            if cpu_native.use_qgemm(x.astype(self.dtype)):  # a decode step on the CPU: the codes read in place
+                return cpu_native.qgemm(x.astype(self.dtype), codes, scale, offset).astype(out_dtype)
+            kernel = quantized.dequantize(codes, scale, offset, axis=0).astype(self.dtype)
+        else:
+            kernel = self.kernel[...].astype(self.dtype)
+        return cpu_bf16.matmul(x.astype(self.dtype), kernel, self.precision, out_dtype)  # bf16 on CPU: its fast form
 
 
 class Embed(nnx.Module):
@@ -89,12 +100,22 @@ class Embed(nnx.Module):
         self.dtype = dtype
         self.precision = precision if precision is not None else matmul_precision(dtype)
         self.embedding = _param(rngs, (vocab_size, hidden_size), param_dtype, ("vocab", "embed"), "normal")
+        self.weight_block = 0  # > 0: ``embedding`` holds block-quantized codes (models/quantized.py)
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # ids [T] int32 -> [T, D]
+        if self.weight_block:
+            rows = [jnp.take(p[...], ids, axis=0) for p in (self.embedding, self.embedding_scale, self.embedding_offset)]
+            return quantized.dequantize(*rows, axis=1).astype(self.dtype)
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:  # x [S, D] -> logits [S, V] float32
-        table = self.embedding[...]  # [V, D]
+        if self.weight_block:
+            codes, scale, offset = self.embedding[...], self.embedding_scale[...], self.embedding_offset[...]
+            if cpu_native.use_qgemm(x.astype(self.dtype)):  # the tied head of a CPU decode step, read in place
+                return cpu_native.qgemm_t(x.astype(self.dtype), codes, scale, offset)
+            table = quantized.dequantize(codes, scale, offset, axis=1).astype(self.dtype)
+        else:
+            table = self.embedding[...]  # [V, D]
         if cpu_native.use_matvec(x.astype(table.dtype), table):  # one f32/bf16 row, native kernel allowed (CPU)
             return cpu_native.matvec_t(table, x.astype(table.dtype))
         if cpu_bf16.applies(table.dtype):

@@ -39,18 +39,24 @@ def build_model(
 
 
 def abstract_model(
-    cfg: TextModelConfig, *, dtype, attention_fn: AttentionFn, fp32_matmul_precision: str = "highest"
+    cfg: TextModelConfig, *, dtype, attention_fn: AttentionFn, fp32_matmul_precision: str = "highest",
+    quantized_weights: bool = False,
 ) -> nnx.Module:
     """The model with ``jax.ShapeDtypeStruct`` in place of every parameter: no memory, no compute.
 
     Loaders use it to learn each parameter's path, shape and dtype, then fill in real weights.
+    ``quantized_weights``: projections and embedding hold block-quantized codes (models/quantized.py).
     """
-    return nnx.eval_shape(
-        lambda: build_model(
+    from jaxserve.models.quantized import quantize_abstract
+
+    def build():
+        model = build_model(
             cfg, dtype=dtype, attention_fn=attention_fn, rngs=_ShapeOnlyRngs(),  # type: ignore[arg-type]
             fp32_matmul_precision=fp32_matmul_precision,
-        )
-    )  # fmt: skip
+        )  # fmt: skip
+        return quantize_abstract(model) if quantized_weights else model
+
+    return nnx.eval_shape(build)
 
 
 class _ShapeOnlyRngs:

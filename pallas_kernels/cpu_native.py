@@ -34,13 +34,14 @@ logger = logging.getLogger("jaxserve")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The C++ sources, built together into one shared library: its helper threads (cpu_threads.h) then serve every
 # kernel, rather than one crew per library spinning beside the other.
-_SOURCES = ("cpu_decode_attention.cc", "cpu_gemv.cc", "cpu_gemm.cc")
+_SOURCES = ("cpu_decode_attention.cc", "cpu_gemv.cc", "cpu_gemm.cc", "cpu_qgemm.cc")
 # Each kernel: the FFI targets it defines (target name -> exported handler symbol).
 _KERNELS = {
     "attention": {"jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention"},
     "gemv": {"jaxserve_cpu_gemv": "JaxserveCpuGemv", "jaxserve_cpu_gemv_t": "JaxserveCpuGemvT",
              "jaxserve_cpu_gemv_bf16": "JaxserveCpuGemvBf16", "jaxserve_cpu_gemv_t_bf16": "JaxserveCpuGemvTBf16"},
     "gemm": {"jaxserve_cpu_gemm": "JaxserveCpuGemm"},
+    "qgemm": {"jaxserve_cpu_qgemm": "JaxserveCpuQgemm", "jaxserve_cpu_qgemm_t": "JaxserveCpuQgemmT"},
 }
 # Cache dtypes the kernel reads; others (fp8) take the jnp path. uint16 is a bf16 cache's bits (fp8.BF16_BITS:
 # how the CPU's gather backends store bf16).
@@ -266,3 +267,41 @@ def matvec_t(table, x):
     target = "jaxserve_cpu_gemv_t" + _MATVEC_SUFFIX[str(table.dtype)]
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((table.shape[0],), jnp.float32))(table, x.reshape(-1))
     return y[None]
+
+
+# Rows up to which a product with block-quantized weights (models/quantized.py) takes the native kernel
+# (cpu_qgemm.cc); larger products (prefill chunks) dequantize the weight and take XLA:CPU's GEMM.
+QGEMM_MAX_ROWS = 64
+
+
+def use_qgemm(x) -> bool:
+    """Whether a product of ``x [M, K]`` with a block-quantized weight goes to the native kernel: the trace allows
+    native products, 1 <= M <= QGEMM_MAX_ROWS, x float32, and the kernel is built."""
+    return (
+        _products.get() and x.ndim == 2 and 1 <= x.shape[0] <= QGEMM_MAX_ROWS and x.dtype == "float32"
+        and loaded("qgemm")
+    )  # fmt: skip
+
+
+def qgemm(x, codes, scale, offset):
+    """x [M, K] f32 @ dequant(codes [K, *out] int8, scale and offset [K/G, *out] f32) -> [M, *out] float32."""
+    import jax
+    import jax.numpy as jnp
+
+    out = codes.shape[1:]
+    n = math.prod(out)
+    flat = lambda a: a.reshape(a.shape[0], n)  # noqa: E731
+    y = jax.ffi.ffi_call("jaxserve_cpu_qgemm", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x, flat(codes), flat(scale), flat(offset)
+    )
+    return y.reshape(x.shape[0], *out)
+
+
+def qgemm_t(x, codes, scale, offset):
+    """x [M, K] f32 against a quantized table (codes [N, K] int8, scale and offset [N, K/G]) -> [M, N] float32."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.ffi.ffi_call("jaxserve_cpu_qgemm_t", jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32))(
+        x, codes, scale, offset
+    )

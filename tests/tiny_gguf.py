@@ -52,8 +52,18 @@ def _vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens + pieces, scores, types + [NORMAL] * len(pieces)
 
 
-def write_gguf_from_hf(hf_dir, path) -> Path:
-    """Write ``hf_dir`` (a llama checkpoint from make_tiny_checkpoint) as a GGUF file at ``path``."""
+def _block_type(gguf_name: str):
+    """The block type a quantized tiny file stores a 2-D weight in: the three that stay quantized, all used."""
+    T = gguf.GGMLQuantizationType
+    if gguf_name in ("token_embd.weight", "output.weight"):
+        return T.Q8_0
+    return T.Q4_0 if ".attn_output." in gguf_name else T.Q4_1
+
+
+def write_gguf_from_hf(hf_dir, path, quantized: bool = False) -> Path:
+    """Write ``hf_dir`` (a llama checkpoint from make_tiny_checkpoint) as a GGUF file at ``path``. ``quantized``:
+    the projections in Q4_1 (o_proj in Q4_0) and the embedding and head in Q8_0, as llama.cpp's quantizer writes
+    them, instead of F32."""
     hf_dir, path = Path(hf_dir), Path(path)
     c = read_hf_config(hf_dir)
     assert c.architecture == "llama" and c.rope_scaling is None, "plain llama checkpoints only"
@@ -85,7 +95,12 @@ def write_gguf_from_hf(hf_dir, path) -> Path:
             array = _permute(array, cfg["num_attention_heads"])
         elif ".k_proj." in name:
             array = _permute(array, cfg["num_key_value_heads"])
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if quantized and array.ndim == 2:
+            qtype = _block_type(_gguf_name(name))
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name), array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

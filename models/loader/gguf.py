@@ -20,6 +20,7 @@ import gguf
 import jax
 import numpy as np
 
+from jaxserve.models import quantized
 from jaxserve.models.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, build_hf_config
 from jaxserve.models.loader.gguf_dequant import to_device, undo_rope_permutation
 from jaxserve.models.loader.gguf_file import GGUFFile, TensorInfo
@@ -103,6 +104,34 @@ class GGUFTensor:
         return undo_rope_permutation(array, self.rope_heads) if self.rope_heads else array
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFQuantPart:
+    """One part of a block-quantized tensor kept quantized (models/quantized.py): its int8 codes ("weight") or
+    its per-block scales or offsets ("weight_scale", "weight_offset"), decoded on the host, in HF order."""
+
+    file: GGUFFile
+    info: TensorInfo
+    rope_heads: int | None
+    part: int  # 0 codes, 1 scales, 2 offsets
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        n, k = self.info.shape
+        return (n, k) if self.part == 0 else (n, k // quantized.BLOCK)
+
+    def to_param(self, *, transpose: bool, dtype: Any, sharding: Any = None) -> jax.Array:
+        value = quantized.decode_blocks(self.file.raw(self.info), self.info.tensor_type.name, self.info.shape)[self.part]
+        if self.rope_heads:
+            value = undo_rope_permutation(value, self.rope_heads)
+        value = np.ascontiguousarray(value.T if transpose else value, dtype=dtype)
+        return jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
+
+
+def _keeps_quantized(hf_name: str) -> bool:
+    """The tensors a quantized model holds as codes: every projection's and the embedding's (or untied head's)."""
+    return hf_name.endswith("proj.weight") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
+
+
 class GGUFCheckpoint:
     """One GGUF file seen as a Hugging Face checkpoint: ``hf_config`` and its tensors."""
 
@@ -130,9 +159,22 @@ class GGUFCheckpoint:
                 rope_freqs = _dequantize(self._file, t)
         return build_hf_config(self.architecture, self.field, names, rope_freqs)
 
-    def packed_tensors(self) -> Iterator[tuple[str, GGUFTensor]]:
+    def unquantizable_types(self) -> set[str]:
+        """The tensor types of this file's projections and embedding that cannot stay quantized
+        (models/quantized.BLOCK_BYTES lists those that can): empty when the whole model can."""
+        return {t.tensor_type.name for name, t in self._named() if _keeps_quantized(name)
+                and t.tensor_type.name not in quantized.BLOCK_BYTES}  # fmt: skip
+
+    def _named(self) -> Iterator[tuple[str, TensorInfo]]:
+        for t in self._file.tensors:
+            if t.name not in _FOLDED_INTO_CONFIG:
+                yield self._hf_name(t.name), t
+
+    def packed_tensors(self, quantized_weights: bool = False) -> Iterator[tuple[str, Any]]:
         """Yield ``(hf_name, GGUFTensor)`` in file order, reading nothing: the model loader decodes each
-        on the device. There is no ``lm_head.weight`` when ``hf_config["tie_word_embeddings"]`` is true."""
+        on the device. There is no ``lm_head.weight`` when ``hf_config["tie_word_embeddings"]`` is true.
+        ``quantized_weights``: the projections and the embedding come as three GGUFQuantParts each (``weight``,
+        ``weight_scale``, ``weight_offset``); every one must be of a type in quantized.BLOCK_BYTES."""
         config = self.hf_config
         permute = self.architecture in _PERMUTED_QK_ARCHITECTURES
         for t in self._file.tensors:
@@ -144,6 +186,11 @@ class GGUFCheckpoint:
                 rope_heads = config["num_attention_heads"]
             elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
                 rope_heads = config["num_key_value_heads"]
+            if quantized_weights and _keeps_quantized(hf_name):
+                stem = hf_name[: -len("weight")]
+                for part, suffix in enumerate(("weight", "weight_scale", "weight_offset")):
+                    yield stem + suffix, GGUFQuantPart(self._file, t, rope_heads, part)
+                continue
             yield hf_name, GGUFTensor(self._file, t, rope_heads)
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:

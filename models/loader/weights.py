@@ -30,7 +30,12 @@ from jaxserve.pallas_kernels.attention import AttentionFn
 # KV cache scales are read apart (kv_scales.py), not as parameters.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",) + SCALE_SUFFIXES
 
-_LEAF_TO_HF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
+_LEAF_TO_HF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias",
+               # block-quantized weights (models/quantized.py): the codes are "weight", beside these two
+               "kernel_scale": "weight_scale", "kernel_offset": "weight_offset",
+               "embedding_scale": "weight_scale", "embedding_offset": "weight_offset"}
+# Leaves stored [in, ...] where the checkpoint stores [..., in]: a kernel and its block scales and offsets.
+_TRANSPOSED_LEAVES = ("kernel", "kernel_scale", "kernel_offset")
 
 # Anything with ``.shape`` that np.asarray accepts (numpy arrays, jax arrays, safetensors' numpy output),
 # or a DeviceDecodable.
@@ -68,7 +73,7 @@ def hf_pieces(path: tuple, shape: tuple[int, ...]) -> list[tuple[str, tuple[int,
     ('model', 'layers', 0, 'self_attn', 'o_proj', 'kernel') -> [('model.layers.0.self_attn.o_proj.weight', ...)]
     """
     *modules, leaf = (str(p) for p in path)
-    is_kernel = leaf == "kernel"
+    is_kernel = leaf in _TRANSPOSED_LEAVES
     if modules and modules[-1] in FUSED:
         pieces, total = FUSED[modules[-1]], shape[-2]
         rest = total - sum(size for _, size in pieces if size is not None)
@@ -112,7 +117,8 @@ def check_tensor_names(expected: Iterable[str], found: Iterable[str], *, tied_em
 
 def _ignorable(name: str, tied_embeddings: bool) -> bool:
     # Some tied checkpoints still save the (identical) output head.
-    return name.endswith(_IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight")
+    return name.endswith(_IGNORED_SUFFIXES) or (
+        tied_embeddings and name in ("lm_head.weight", "lm_head.weight_scale", "lm_head.weight_offset"))
 
 
 def load_weights(
@@ -165,7 +171,7 @@ def load_weights(
         sharding = flat_shardings.get(path)
         if isinstance(sharding, nnx.Variable):
             sharding = sharding.get_value()
-        transpose = str(path[-1]) == "kernel"
+        transpose = str(path[-1]) in _TRANSPOSED_LEAVES
         whole = num_pieces[path] == 1
         place = sharding if whole else None  # a piece is placed with the whole parameter, once assembled
         if isinstance(raw, DeviceDecodable):
@@ -196,13 +202,17 @@ def load_from_hf_tensors(
     shardings_fn: Callable[[nnx.Module], Any] | None = None,
     progress: bool = False,
     fp32_matmul_precision: str = "highest",
+    quantized_weights: bool = False,
 ) -> nnx.Module:
     """Build ``cfg``'s model with weights from HF-named tensors (a mapping or a stream of pairs).
+    ``quantized_weights``: projections and embedding hold block-quantized codes (models/quantized.py), read from
+    ``weight``, ``weight_scale`` and ``weight_offset`` tensors.
 
     ``shardings_fn(abstract_model)``, if given, returns the state-shaped shardings tree for
     ``load_weights``.
     """
-    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision)
+    abstract = abstract_model(cfg, dtype=dtype, attention_fn=attention_fn, fp32_matmul_precision=fp32_matmul_precision,
+                              quantized_weights=quantized_weights)
     shardings = shardings_fn(abstract) if shardings_fn is not None else None
     model = load_weights(
         abstract, tensors, tied_embeddings=cfg.tie_word_embeddings, shardings=shardings, progress=progress
