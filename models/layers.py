@@ -87,7 +87,10 @@ class Linear(nnx.Module):
             codes, scale, offset = self.kernel[...], self.kernel_scale[...], self.kernel_offset[...]
             if cpu_native.use_qgemm(x.astype(self.dtype)):  # a decode step on the CPU: the codes read in place
                 return cpu_native.qgemm(x.astype(self.dtype), codes, scale, offset).astype(out_dtype)
-            kernel = quantized.dequantize(codes, scale, offset, axis=0).astype(self.dtype)
+            if cpu_native.use_native_dequantize(x.astype(self.dtype)):  # a prefill chunk on the CPU
+                kernel = cpu_native.dequantize(codes, scale, offset)
+            else:
+                kernel = quantized.dequantize(codes, scale, offset, axis=0).astype(self.dtype)
         else:
             kernel = self.kernel[...].astype(self.dtype)
         return cpu_bf16.matmul(x.astype(self.dtype), kernel, self.precision, out_dtype)  # bf16 on CPU: its fast form

@@ -41,7 +41,8 @@ _KERNELS = {
     "gemv": {"jaxserve_cpu_gemv": "JaxserveCpuGemv", "jaxserve_cpu_gemv_t": "JaxserveCpuGemvT",
              "jaxserve_cpu_gemv_bf16": "JaxserveCpuGemvBf16", "jaxserve_cpu_gemv_t_bf16": "JaxserveCpuGemvTBf16"},
     "gemm": {"jaxserve_cpu_gemm": "JaxserveCpuGemm"},
-    "qgemm": {"jaxserve_cpu_qgemm": "JaxserveCpuQgemm", "jaxserve_cpu_qgemm_t": "JaxserveCpuQgemmT"},
+    "qgemm": {"jaxserve_cpu_qgemm": "JaxserveCpuQgemm", "jaxserve_cpu_qgemm_t": "JaxserveCpuQgemmT",
+              "jaxserve_cpu_dequantize": "JaxserveCpuDequantize"},
 }
 # Cache dtypes the kernel reads; others (fp8) take the jnp path. uint16 is a bf16 cache's bits (fp8.BF16_BITS:
 # how the CPU's gather backends store bf16).
@@ -270,8 +271,31 @@ def matvec_t(table, x):
 
 
 # Rows up to which a product with block-quantized weights (models/quantized.py) takes the native kernel
-# (cpu_qgemm.cc); larger products (prefill chunks) dequantize the weight and take XLA:CPU's GEMM.
-QGEMM_MAX_ROWS = 64
+# (cpu_qgemm.cc); larger products (long prefill chunks) dequantize the weight and take XLA:CPU's GEMM. Over a
+# model's worth of projections on a 2-core AMD EPYC (AVX2) the kernel took 435 ms at 128 rows against 556 ms
+# dequantized, and 759 against 692 ms at 256 rows (docs/BENCHMARKS.md §44).
+QGEMM_MAX_ROWS = 160
+
+
+def use_native_dequantize(x) -> bool:
+    """Whether a block-quantized weight is dequantized by the native kernel (cpu_qgemm.cc) for a product of ``x``
+    too large for qgemm: the trace allows native products, x float32 and the kernel is built. XLA:CPU's own
+    dequantization of a whole model's weights cost a 123-token prompt ~1.5 s (docs/BENCHMARKS.md §44)."""
+    return _products.get() and x.dtype == "float32" and loaded("qgemm")
+
+
+def dequantize(codes, scale, offset):
+    """codes [K, *out] int8, scale and offset [K/G, *out] -> the float32 weight [K, *out] (cpu_qgemm.cc)."""
+    import jax
+    import jax.numpy as jnp
+
+    out = codes.shape[1:]
+    n = math.prod(out)
+    flat = lambda a: a.reshape(a.shape[0], n)  # noqa: E731
+    w = jax.ffi.ffi_call("jaxserve_cpu_dequantize", jax.ShapeDtypeStruct((codes.shape[0], n), jnp.float32))(
+        flat(codes), flat(scale), flat(offset)
+    )
+    return w.reshape(codes.shape)
 
 
 def use_qgemm(x) -> bool:

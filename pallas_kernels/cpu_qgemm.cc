@@ -50,19 +50,13 @@ std::vector<float> block_sums(const float* x, int64_t m, int64_t k, int64_t grou
 }
 
 // Vectors of float32 in the machine's widest registers (GCC/Clang vector extensions: one AVX-512 or AVX2
-// register each); a tile of columns is four of them.
+// register each).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #else
 constexpr int kLanes = 8;
 #endif
 typedef float vf __attribute__((vector_size(4 * kLanes)));
-// A tile of columns is one cache line of codes (64), kVecs vectors: each row of codes read is a whole line.
-constexpr int kVecs = 64 / kLanes;
-constexpr int64_t kTile = 64;
-// Rows of codes fetched ahead of the one being read: they lie n bytes apart, which the hardware prefetcher follows
-// poorly across rows.
-constexpr int64_t kAhead = 8;
 
 // kLanes codes as float32. Written with intrinsics: GCC turns a vector-extension conversion of int8 into one scalar
 // conversion per lane.
@@ -78,43 +72,65 @@ inline vf load_codes(const int8_t* p) {
 #endif
 }
 
-// Rows [r0, r0 + R) of y[:, c : c + kTile] (a full tile of columns): each block's sums on the codes stay in
-// registers (R x kVecs vectors), the codes of a row are converted once for all R rows.
+// A tile of columns is one cache line of codes (64 values): each row of codes read is a whole line. It is worked
+// in sub-tiles of four vectors, each over the block's rows in turn, so the line comes from memory once and the
+// second sub-tile finds it in L1.
+constexpr int64_t kTile = 64;
+constexpr int kSubs = 64 / (4 * kLanes);  // sub-tiles of a tile: 1 with AVX-512, 2 with AVX2
+// Rows of codes fetched ahead of the one being read: they lie n bytes apart, which the hardware prefetcher follows
+// poorly from one row to the next.
+constexpr int64_t kAhead = 8;
+// Rows of x per tile: their block sums (R x 4 vectors), one vector of codes and R broadcasts fit the registers
+// (16 with AVX2, 32 with AVX-512).
+#if defined(__AVX512F__)
+constexpr int kRows = 4;
+#else
+constexpr int kRows = 2;
+#endif
+
+inline vf load_vf(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(vf));
+  return v;
+}
+inline void store_vf(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(vf)); }
+
+// Rows [r0, r0 + R) of y[:, c : c + kTile] (a full tile of columns). Per block and sub-tile, the sums on the codes
+// stay in registers and each vector of codes, converted once, serves all R rows; then the block's scale and offset
+// fold them into y.
 template <int R>
 void qtile(const float* x, const int8_t* codes, const float* scale, const float* offset, const float* xs, float* y,
            int64_t r0, int64_t k, int64_t n, int64_t group, int64_t c) {
   const int64_t groups = k / group;
-  vf acc[R][kVecs] = {};
+  for (int r = 0; r < R; ++r) std::fill(y + (r0 + r) * n + c, y + (r0 + r) * n + c + kTile, 0.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    vf part[R][kVecs] = {};
-    for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
-      const int8_t* row = codes + kk * n + c;
-      __builtin_prefetch(row + kAhead * n);
-      vf w[kVecs];
-#pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) w[v] = load_codes(row + v * kLanes);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const float a = x[(r0 + r) * k + kk];
-#pragma GCC unroll 8
-        for (int v = 0; v < kVecs; ++v) part[r][v] += a * w[v];
+    for (int h = 0; h < kSubs; ++h) {
+      const int64_t col = c + h * 4 * kLanes;
+      vf part[R][4] = {};
+      for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
+        const int8_t* row = codes + kk * n + col;
+        if (h == 0) __builtin_prefetch(row + kAhead * n);
+        float a[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) a[r] = x[(r0 + r) * k + kk];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const vf w = load_codes(row + v * kLanes);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) part[r][v] += a[r] * w;
+        }
+      }
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const vf sv = load_vf(scale + g * n + col + v * kLanes), ov = load_vf(offset + g * n + col + v * kLanes);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          float* out = y + (r0 + r) * n + col + v * kLanes;
+          store_vf(out, load_vf(out) + sv * part[r][v] + ov * xs[(r0 + r) * groups + g]);
+        }
       }
     }
-    vf sv[kVecs], ov[kVecs];
-#pragma GCC unroll 8
-    for (int v = 0; v < kVecs; ++v) {
-      __builtin_memcpy(&sv[v], scale + g * n + c + v * kLanes, sizeof(vf));
-      __builtin_memcpy(&ov[v], offset + g * n + c + v * kLanes, sizeof(vf));
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float sx = xs[(r0 + r) * groups + g];
-#pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) acc[r][v] += sv[v] * part[r][v] + ov[v] * sx;
-    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) __builtin_memcpy(y + (r0 + r) * n + c + v * kLanes, &acc[r][v], sizeof(vf));
 }
 
 // The same for any width (the last, partial tile of columns), one value at a time.
@@ -134,8 +150,52 @@ void qtile_any(const float* x, const int8_t* codes, const float* scale, const fl
   }
 }
 
+// Up to this many rows of x, qgemm streams the codes row after row (``qstream``) instead of by panels of columns:
+// a panel reads each of K rows 64 bytes apart, a latency-bound walk that held one row of x to ~8 GB/s of codes.
+constexpr int64_t kMaxStreamRows = 4;
+
+// y[0:m, :] = the part of x @ w that blocks [g0, g1) of K contribute: every row of codes is read whole, in order,
+// four at a time; the block's sums on the codes are kept per output column in ``part`` (L1/L2) and folded into y
+// with the block's scale and offset once its rows are done.
+void qstream(const float* x, const int8_t* codes, const float* scale, const float* offset, const float* xs, float* y,
+             int64_t m, int64_t k, int64_t n, int64_t group, int64_t g0, int64_t g1) {
+  const int64_t groups = k / group;
+  const int64_t n_vec = n / kLanes * kLanes;
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(m * n)) buf.resize(m * n);
+  float* part = buf.data();
+  std::fill(y, y + m * n, 0.0f);
+  for (int64_t g = g0; g < g1; ++g) {
+    std::fill(part, part + m * n, 0.0f);
+    for (int64_t kk = g * group; kk < (g + 1) * group; kk += 4) {
+      const int8_t* c0 = codes + kk * n;
+      const int8_t *c1 = c0 + n, *c2 = c1 + n, *c3 = c2 + n;
+      for (int64_t r = 0; r < m; ++r) {
+        const float* xr = x + r * k + kk;
+        const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
+        float* pr = part + r * n;
+        for (int64_t j = 0; j < n_vec; j += kLanes) {
+          vf acc = load_vf(pr + j);
+          acc += a0 * load_codes(c0 + j) + a1 * load_codes(c1 + j);
+          acc += a2 * load_codes(c2 + j) + a3 * load_codes(c3 + j);
+          store_vf(pr + j, acc);
+        }
+        for (int64_t j = n_vec; j < n; ++j) pr[j] += a0 * c0[j] + a1 * c1[j] + a2 * c2[j] + a3 * c3[j];
+      }
+    }
+    const float* s = scale + g * n;
+    const float* o = offset + g * n;
+    for (int64_t r = 0; r < m; ++r) {
+      const float sx = xs[r * groups + g];
+      float* yr = y + r * n;
+      const float* pr = part + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) yr[j] += s[j] * pr[j] + o[j] * sx;
+    }
+  }
+}
+
 // Rows of y in tiles of kRows (then the rest), columns [c, c + width) with width <= kTile.
-constexpr int kRows = 2;
 void qpanel(const float* x, const int8_t* codes, const float* scale, const float* offset, const float* xs, float* y,
             int64_t m, int64_t k, int64_t n, int64_t group, int64_t c, int64_t width) {
   if (width < kTile) return qtile_any(x, codes, scale, offset, xs, y, m, k, n, group, c, width);
@@ -144,28 +204,54 @@ void qpanel(const float* x, const int8_t* codes, const float* scale, const float
   for (; r < m; ++r) qtile<1>(x, codes, scale, offset, xs, y, r, k, n, group, c);
 }
 
-// Rows [v0, v1) of the table against every row of x: y[r, v].
+// Rows [v0, v1) of the table against every row of x: y[r, v]. A row's block products stay in one vector
+// accumulator, scaled per block, and are summed across lanes once per (row, v).
 void qdots(const float* x, const int8_t* codes, const float* scale, const float* offset, const float* xs, float* y,
            int64_t m, int64_t k, int64_t n, int64_t group, int64_t v0, int64_t v1) {
   const int64_t groups = k / group;
+  const bool vectors = group % kLanes == 0;
   for (int64_t v = v0; v < v1; ++v) {
     const int8_t* row = codes + v * k;
     const float* s = scale + v * groups;
     const float* o = offset + v * groups;
+    if (v + 4 < v1) __builtin_prefetch(row + 4 * k);
     for (int64_t r = 0; r < m; ++r) {
       const float* xr = x + r * k;
       const float* xsr = xs + r * groups;
       float total = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) {
-        float dot = 0.0f;
-        const int8_t* cg = row + g * group;
-        const float* xg = xr + g * group;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < group; ++i) dot += static_cast<float>(cg[i]) * xg[i];
-        total += s[g] * dot + o[g] * xsr[g];
+      if (vectors) {
+        vf acc = {};
+        for (int64_t g = 0; g < groups; ++g) {
+          vf part = {};
+          for (int64_t i = g * group; i < (g + 1) * group; i += kLanes) part += load_codes(row + i) * load_vf(xr + i);
+          acc += s[g] * part;
+          total += o[g] * xsr[g];
+        }
+        for (int i = 0; i < kLanes; ++i) total += acc[i];
+      } else {
+        for (int64_t g = 0; g < groups; ++g) {
+          float dot = 0.0f;
+          for (int64_t i = g * group; i < (g + 1) * group; ++i) dot += static_cast<float>(row[i]) * xr[i];
+          total += s[g] * dot + o[g] * xsr[g];
+        }
       }
       y[r * n + v] = total;
     }
+  }
+}
+
+// w [K, N] = scale * codes + offset, float32, for a product too large for the kernels above (a prefill chunk),
+// which XLA:CPU's GEMM then runs: rows [k0, k1).
+void dequant_rows(const int8_t* codes, const float* scale, const float* offset, float* w, int64_t n, int64_t group,
+                  int64_t k0, int64_t k1) {
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    const int8_t* c = codes + kk * n;
+    const float* s = scale + (kk / group) * n;
+    const float* o = offset + (kk / group) * n;
+    float* out = w + kk * n;
+    const int64_t n_vec = n / kLanes * kLanes;
+    for (int64_t j = 0; j < n_vec; j += kLanes) store_vf(out + j, load_vf(s + j) * load_codes(c + j) + load_vf(o + j));
+    for (int64_t j = n_vec; j < n; ++j) out[j] = s[j] * static_cast<float>(c[j]) + o[j];
   }
 }
 
@@ -190,6 +276,24 @@ ffi::Error QgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   const int8_t* cp = codes.typed_data();
   const float *sp = scale.typed_data(), *op = offset.typed_data(), *xsp = xs.data();
   float* yp = y->typed_data();
+  if (m <= kMaxStreamRows && group % 4 == 0) {
+    // Blocks of K split among the threads, each streaming its own rows of codes; slice 0 writes y, the others
+    // partial sums added after.
+    const int64_t groups = k / group;
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), groups));
+    std::vector<float> partial((parts - 1) * m * n);
+    float* pp = partial.data();
+    jaxserve_cpu::parallel_for(pool, parts, [=](int64_t i) {
+      qstream(xp, cp, sp, op, xsp, i == 0 ? yp : pp + (i - 1) * m * n, m, k, n, group, groups * i / parts,
+              groups * (i + 1) / parts);
+    });
+    for (int64_t i = 1; i < parts; ++i) {
+      const float* src = pp + (i - 1) * m * n;
+#pragma omp simd
+      for (int64_t j = 0; j < m * n; ++j) yp[j] += src[j];
+    }
+    return ffi::Error::Success();
+  }
   const int64_t panels = (n + kTile - 1) / kTile;
   jaxserve_cpu::parallel_for(pool, panels, [=](int64_t i) {
     qpanel(xp, cp, sp, op, xsp, yp, m, k, n, group, i * kTile, std::min(kTile, n - i * kTile));
@@ -216,7 +320,31 @@ ffi::Error QgemmTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+ffi::Error DequantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scale,
+                       ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> w) {
+  const auto cd = codes.dimensions(), sd = scale.dimensions();
+  if (cd.size() != 2 || sd.size() != 2 || sd[1] != cd[1] || sd[0] == 0 || cd[0] % sd[0] ||
+      offset.element_count() != scale.element_count() || w->element_count() != codes.element_count()) {
+    return ffi::Error::InvalidArgument("cpu_dequantize: codes [K, N], scale and offset [K/G, N] -> w [K, N]");
+  }
+  const int64_t k = cd[0], n = cd[1], group = k / sd[0];
+  const int8_t* cp = codes.typed_data();
+  const float *sp = scale.typed_data(), *op = offset.typed_data();
+  float* wp = w->typed_data();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), k / 8));
+  jaxserve_cpu::parallel_for(pool, parts, [=](int64_t i) { dequant_rows(cp, sp, op, wp, n, group, k * i / parts, k * (i + 1) / parts); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDequantize, DequantImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 #define JAXSERVE_QGEMM_HANDLER(symbol, impl)                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl,                                         \

@@ -148,10 +148,10 @@ def hf_single_stream(model_path: str, dtype: str, work: list) -> dict:
     return {**hf, "tokens_per_s": statistics.median(rates), "runs_tokens_per_s": rates}
 
 
-def with_roofline(res: dict, cfg, dtype: str, copy_rate: float) -> dict:
+def with_roofline(res: dict, cfg, dtype: str, copy_rate: float, held_bytes: int | None = None) -> dict:
     from jaxserve.bench import roofline
 
-    roof = roofline.single_stream(cfg, dtype, copy_rate)
+    roof = roofline.single_stream(cfg, dtype, copy_rate, held_bytes)
     return {**res, "roofline": roof, "roofline_fraction": res["decode_tokens_per_s"] / roof["tokens_per_s"]}
 
 
@@ -182,7 +182,9 @@ def prepare(ns, prefix: str, model_path: str, cfg, dtype: str) -> tuple[list, di
 
 def finish(llm, work: list, hf: dict | None, dtype: str, copy_rate: float) -> dict:
     """Time ``work`` on the engine, add the roofline and HF's rate; also used by `bench throughput`."""
-    res = with_roofline(measure(llm, work), llm.llm_engine.text_config, dtype, copy_rate)
+    params = getattr(getattr(llm.llm_engine, "runner", None), "params", ())  # a DP router holds none
+    held = sum(int(p.nbytes) for p in params) if any(str(p.dtype) == "int8" for p in params) else None  # codes
+    res = with_roofline(measure(llm, work), llm.llm_engine.text_config, dtype, copy_rate, held)
     if hf is not None:
         res["hf"] = hf
         res["speedup_vs_hf"] = res["tokens_per_s"] / hf["tokens_per_s"]
