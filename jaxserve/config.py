@@ -14,7 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "fp8" means fp8_e4m3, as in vLLM; dashes work too (fp8-e5m2). The JAX dtypes: pallas_kernels/fp8.py.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
-QUANTIZATIONS = ("gguf", "none")  # and None: gguf where it pays (models/quantized.py), else none
+QUANTIZATIONS = ("gguf", "none")  # None is none (models/quantized.py)
 # How float32 matmuls run (jaxserve.pallas_kernels.precision, which this mirrors without importing JAX):
 # "highest" is true float32, as PyTorch computes by default; "tf32" lets NVIDIA GPUs round inputs to TF32.
 FP32_MATMUL_PRECISIONS = ("highest", "tf32")
@@ -58,8 +58,8 @@ class EngineArgs:
     precompile: str = "auto"
     attention_backend: str = "auto"  # auto | reference | xla | pallas
     load_format: str = "auto"  # auto | safetensors | gguf | orbax (a `jaxserve convert` directory) | dummy
-    # gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized in memory (models/quantized.py); none: dequantize
-    # them at load. None: gguf for a float32 model on the CPU whose weights are all of those types, else none.
+    # gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized in memory (models/quantized.py); none (or None):
+    # dequantize them at load to dtype.
     quantization: Optional[str] = None
     skip_tokenizer_init: bool = False
     seed: int = 0
@@ -131,7 +131,7 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"choose one of {LOAD_FORMATS}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise bad("quantization", f"choose one of {QUANTIZATIONS}, or leave it unset (gguf where it pays)")
+            raise bad("quantization", f"choose one of {QUANTIZATIONS}, or leave it unset (none)")
         if self.attention_backend not in ("auto", "reference", "xla", "pallas"):
             raise bad("attention_backend", "choose one of ('auto', 'reference', 'xla', 'pallas')")
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:

@@ -69,8 +69,8 @@ def load_model(
 ):  # fmt: skip
     """Returns (model, TextModelConfig). ``shardings_fn(abstract_model)`` places parameters as they load (TP);
     ``fp32_matmul_precision`` is how a float32 model's matmuls run (jaxserve.pallas_kernels.precision);
-    ``progress`` shows a progress bar over the weights; ``quantization`` (EngineArgs.quantization: "gguf",
-    "none" or None for the automatic choice) whether a GGUF file's weights stay quantized (models/quantized.py)."""
+    ``progress`` shows a progress bar over the weights; ``quantization`` (EngineArgs.quantization: "gguf" keeps a
+    GGUF file's weights quantized, models/quantized.py; "none" or None dequantizes them)."""
     from jaxserve.models.config import TextModelConfig
 
     kw = dict(
@@ -93,7 +93,7 @@ def load_model(
 
         ckpt = read_gguf(path)
         cfg = TextModelConfig.from_hf_config(ckpt.hf_config)
-        keep = keeps_quantized(ckpt, quantization, dtype)
+        keep = keeps_quantized(ckpt, quantization)
         model = load_from_hf_tensors(cfg, ckpt.packed_tensors(quantized_weights=keep), quantized_weights=keep, **kw)
         return model, cfg
     if fmt == "orbax":
@@ -112,24 +112,19 @@ def load_model(
     raise ValueError(f"unknown model format {fmt!r}")
 
 
-def keeps_quantized(ckpt, quantization: Optional[str], dtype) -> bool:
-    """Whether a GGUF checkpoint's weights stay quantized: asked for ("gguf"; a ValueError names the tensor types
-    that cannot), refused ("none"), or by default where it pays: a float32 model on the CPU, whose native kernels
-    read the codes, with every projection and the embedding of a type kept quantized."""
-    import jax
-
-    if quantization == "none":
+def keeps_quantized(ckpt, quantization: Optional[str]) -> bool:
+    """Whether a GGUF checkpoint's weights stay quantized: only when asked for ("gguf"), and then every projection
+    and the embedding must be of a type kept quantized (a ValueError names the others)."""
+    if quantization != "gguf":
         return False
     unsupported = ckpt.unquantizable_types()
-    if quantization == "gguf":
-        if unsupported:
-            from jaxserve.models.quantized import BLOCK_BYTES
+    if unsupported:
+        from jaxserve.models.quantized import BLOCK_BYTES
 
-            raise ValueError(f"quantization='gguf': this file's weights include {sorted(unsupported)}, which stay "
-                             f"quantized only as {sorted(BLOCK_BYTES)}; leave quantization unset (they are "
-                             "dequantized at load)")
-        return True
-    return not unsupported and jax.default_backend() == "cpu" and str(dtype) == "float32"
+        raise ValueError(f"quantization='gguf': this file's weights include {sorted(unsupported)}, which stay "
+                         f"quantized only as {sorted(BLOCK_BYTES)}; leave quantization unset (they are dequantized "
+                         "at load)")
+    return True
 
 
 def is_vision_language(path: str) -> bool:

@@ -224,12 +224,24 @@ def use_matvec(x, kernel) -> bool:
 GEMM_MAX_ROWS = 64
 
 
+@functools.cache
+def _has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (cpu_gemm.cc's hand-written tiles need it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
 def use_gemm(x, kernel) -> bool:
     """Whether ``x [M, K] @ kernel [K, ...]`` goes to the native few-row kernel: the trace allows native products,
-    2 <= M <= GEMM_MAX_ROWS, both operands float32, and the kernel is built."""
+    2 <= M <= GEMM_MAX_ROWS, both operands float32, the CPU has AVX-512, and the kernel is built. Without AVX-512
+    the kernel's plain loops lost to XLA:CPU's GEMM (a 2-core AMD EPYC with AVX2: equal at 16 rows, 511 against
+    214 ms at 64; docs/BENCHMARKS.md §44)."""
     return (
         _products.get() and x.ndim == 2 and 2 <= x.shape[0] <= GEMM_MAX_ROWS and x.dtype == kernel.dtype == "float32"
-        and loaded("gemm")
+        and _has_avx512() and loaded("gemm")
     )  # fmt: skip
 
 
@@ -272,9 +284,9 @@ def matvec_t(table, x):
 
 # Rows up to which a product with block-quantized weights (models/quantized.py) takes the native kernel
 # (cpu_qgemm.cc); larger products (long prefill chunks) dequantize the weight and take XLA:CPU's GEMM. Over a
-# model's worth of projections on a 2-core AMD EPYC (AVX2) the kernel took 435 ms at 128 rows against 556 ms
-# dequantized, and 759 against 692 ms at 256 rows (docs/BENCHMARKS.md §44).
-QGEMM_MAX_ROWS = 160
+# model's worth of projections on a 2-core AMD EPYC (AVX2) the kernel took 404 ms at 128 rows against 513 ms
+# dequantized, and was even at 256 rows (659 against 647 ms; docs/BENCHMARKS.md §44).
+QGEMM_MAX_ROWS = 256
 
 
 def use_native_dequantize(x) -> bool:

@@ -11,6 +11,10 @@ ways alternate round by round and the median is reported:
 - ``xla``: ``jnp.dot`` at precision highest (what the model traces outside a native-products step).
 - ``native``: ``cpu_native.gemm`` (``pallas_kernels/cpu_gemm.cc``), what a decode step of 2 to
   ``cpu_native.GEMM_MAX_ROWS`` rows runs on one device.
+- ``codes`` and ``codes_dequantized`` (``--quantized``): the same products with GGUF-style block-quantized weights
+  (int8 codes, a scale and offset per 32 rows of the weight; models/quantized.py), by ``cpu_native.qgemm``
+  (``pallas_kernels/cpu_qgemm.cc``) and by ``cpu_native.dequantize`` followed by XLA's product: the two ways a
+  model kept quantized multiplies, below and above ``cpu_native.QGEMM_MAX_ROWS``.
 
 docs/BENCHMARKS.md §37 has the numbers; ``--quick`` shrinks everything for a smoke test.
 """
@@ -48,6 +52,13 @@ def _xla(x, w):
     return jnp.dot(x, w, precision="highest")
 
 
+def _codes(rng, k: int, n: int):
+    """A random block-quantized weight [k, n]: int8 codes in Q4_1's range, a scale and an offset per 32 rows."""
+    scale = jnp.asarray(rng.standard_normal((k // 32, n)) * 0.01, jnp.float32)
+    offset = jnp.asarray(rng.standard_normal((k // 32, n)) * 0.01, jnp.float32)
+    return jnp.asarray(rng.integers(0, 16, (k, n)), jnp.int8), scale, offset
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxserve.bench.cpu_gemm_rows", description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="2,4,8,16,32,40,48,64,96,128,256", help="row counts, comma-separated")
@@ -55,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds; the median is reported (default 7)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--quick", action="store_true", help="2 layers, 2 rounds, rows 2 and 8: a smoke test")
+    p.add_argument("--quantized", action="store_true",
+                   help="also block-quantized weights: cpu_native.qgemm, and dequantized then XLA's product")
     ns = p.parse_args(argv)
     try:
         rows = [int(r) for r in ns.rows.split(",")]
@@ -64,23 +77,27 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows={ns.rows!r}: give positive row counts, comma-separated, e.g. 16,32,48")
     layers, rounds = (2, 2) if ns.quick else (ns.layers, ns.rounds)
     rows = [2, 8] if ns.quick else rows
-    ways = {"xla": _chain(_xla, layers)}
-    if cpu_native.loaded("gemm"):
-        ways["native"] = _chain(cpu_native.gemm, layers)
-    else:
-        print("the native kernel is not built here (no compiler, or JAXSERVE_CPU_KERNELS): XLA only")
     rng = np.random.default_rng(0)
     weights = [[jnp.asarray(rng.standard_normal((k, n)), jnp.float32) for k, n in SHAPES] for _ in range(layers)]
+    ways = {"xla": (_chain(_xla, layers), weights)}
+    if cpu_native.loaded("gemm"):
+        ways["native"] = (_chain(cpu_native.gemm, layers), weights)
+    else:
+        print("the native kernel is not built here (no compiler, or JAXSERVE_CPU_KERNELS): XLA only")
+    if ns.quantized and cpu_native.loaded("qgemm"):
+        blocks = [[_codes(rng, k, n) for k, n in SHAPES] for _ in range(layers)]
+        ways["codes"] = (_chain(lambda x, w: cpu_native.qgemm(x, *w), layers), blocks)
+        ways["codes_dequantized"] = (_chain(lambda x, w: _xla(x, cpu_native.dequantize(*w)), layers), blocks)
     results = []
     for m in rows:
         xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for k, _ in SHAPES]
-        for fn in ways.values():
-            fn(xs, weights).block_until_ready()  # compile
+        for fn, w in ways.values():
+            fn(xs, w).block_until_ready()  # compile
         times: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(rounds):
-            for name, fn in ways.items():
+            for name, (fn, w) in ways.items():
                 start = time.perf_counter()
-                fn(xs, weights).block_until_ready()
+                fn(xs, w).block_until_ready()
                 times[name].append(time.perf_counter() - start)
         flops = 2 * m * sum(k * n for k, n in SHAPES) * layers
         row = {"rows": m}

@@ -41,6 +41,10 @@ def test_cpu_gemm_rows_quick(tmp_path, capsys):
     assert [r["rows"] for r in rows] == [2, 8]
     ways = {"xla", "native"} if cpu_native.loaded("gemm") else {"xla"}
     assert all(set(r) - {"rows"} == ways and all(r[w]["ms"] > 0 for w in ways) for r in rows)
+    assert cpu_gemm_rows.main(["--quick", "--quantized", "--out", str(out)]) == 0  # block-quantized weights too
+    if cpu_native.loaded("qgemm"):
+        ways |= {"codes", "codes_dequantized"}
+    assert all(set(r) - {"rows"} == ways for r in json.loads(out.read_text())["rows"])
 
 
 def test_cpu_gemm_rows_rejects_bad_rows(capsys):

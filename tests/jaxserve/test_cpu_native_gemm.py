@@ -18,6 +18,13 @@ from jaxserve.pallas_kernels import cpu_native
 pytestmark = pytest.mark.skipif(not cpu_native.loaded("gemm"), reason="no C++ compiler to build the kernel")
 
 
+@pytest.fixture(autouse=True)
+def _as_with_avx512(monkeypatch):
+    # Steps take the kernel only on a CPU with AVX-512 (cpu_native.use_gemm); its plain loops elsewhere are correct
+    # but slower than XLA's GEMM. The tests check it on every CPU.
+    monkeypatch.setattr(cpu_native, "_has_avx512", lambda: True)
+
+
 @pytest.mark.parametrize("m", [2, 5, 6, 7, 13, 48, 64])
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 40), (37, 100), (8, 3)])
 def test_gemm_equals_the_product(m, k, n):

@@ -1,8 +1,7 @@
 """GGUF weights kept quantized (quantization="gguf", models/quantized.py): the block decoding is exact, the native
 kernels compute the dequantized product, and an engine on codes generates what the same file dequantized at load
-generates, on every path (chunked prefill, prefix caching, preemption, n > 1, speculation, TP, DP, the server's
-choice by default). The default model's own parity with transformers (tests/jaxserve/test_default_model.py) runs
-on codes too, since the CPU keeps its Q4_1 weights quantized by default."""
+generates, on every path (chunked prefill, prefix caching, preemption, n > 1, speculation, LoRA, TP, DP), and the
+default model on codes generates its dequantized tokens."""
 
 from __future__ import annotations
 
@@ -146,20 +145,29 @@ def test_data_parallel(dequantized, gguf_file):
         dp.llm_engine.close()
 
 
-def test_the_automatic_choice(gguf_file, tmp_path):
-    """Unset, a float32 model on the CPU keeps codes; bfloat16, a float file and other formats do not."""
-    auto = LLM(gguf_file, **small_engine_kwargs())
-    assert any(str(p.dtype) == "int8" for p in auto.llm_engine.runner.params)
-    bf16 = LLM(gguf_file, **small_engine_kwargs(dtype="bfloat16"))
-    assert not any(str(p.dtype) == "int8" for p in bf16.llm_engine.runner.params)
+def test_the_default_and_bad_choices(gguf_file, tmp_path):
+    """Unset, the weights are dequantized at load (codes make prompts and batches slower on the CPU: BENCHMARKS
+    §44); "gguf" refuses a file with other types, and any format but GGUF."""
+    assert not any(str(p.dtype) == "int8" for p in LLM(gguf_file, **small_engine_kwargs()).llm_engine.runner.params)
     plain = str(write_gguf_from_hf(checkpoint("llama_gqa"), tmp_path / "f32.gguf"))
-    assert not any(str(p.dtype) == "int8" for p in LLM(plain, **small_engine_kwargs()).llm_engine.runner.params)
     with pytest.raises(ValueError, match=r"quantization='gguf': this file's weights include \['F32'\]"):
         LLM(plain, quantization="gguf", **small_engine_kwargs())
     with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's weights quantized, but"):
         LLM(checkpoint("llama_gqa"), quantization="gguf", **small_engine_kwargs())
     with pytest.raises(ValueError, match="quantization='awq' is invalid: choose one of"):
         EngineArgs(quantization="awq").validate()
+
+
+def test_the_default_model_on_codes():
+    """The embedded default model (Q4_1 projections, a Q8_0 embedding) on codes: a third of the bytes, and the
+    greedy tokens of the file dequantized at load."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    kw = dict(max_model_len=256, compilation_cache_dir="", precompile="none", use_tqdm_on_load=False)
+    codes = LLM(quantization="gguf", **kw)
+    want = LLM(**kw).generate(prompts, greedy, use_tqdm=False)
+    assert _tokens(codes.generate(prompts, greedy, use_tqdm=False)) == _tokens(want)
+    assert sum(p.nbytes for p in codes.llm_engine.runner.params) < 0.35 * 538e6
 
 
 def test_lora_on_a_quantized_base(dequantized, gguf_file, tmp_path):
@@ -177,3 +185,22 @@ def test_lora_on_a_quantized_base(dequantized, gguf_file, tmp_path):
         outs[q] = _tokens(llm.generate(PROMPTS, greedy, lora_request=lora, use_tqdm=False))
     assert outs["gguf"] == outs["none"]
     assert outs["gguf"] != _tokens(dequantized.generate(PROMPTS, greedy, use_tqdm=False))  # the adapter mattered
+
+
+def test_the_server_on_codes(dequantized, gguf_file):
+    """`jaxserve serve FILE.gguf --quantization gguf`: the engine from its arguments, through the openai client."""
+    import openai
+
+    from jaxserve.async_engine import AsyncLLMEngine
+    from jaxserve.server.testing import ServerThread
+
+    args = EngineArgs(model=gguf_file, served_model_name="tiny", quantization="gguf", dtype="float32",
+                      max_model_len=128, compilation_cache_dir="", precompile="none")
+    engine = AsyncLLMEngine.from_engine_args(args, progress=False)
+    with ServerThread(engine) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        resp = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    want = dequantized.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].text
+    assert resp.choices[0].text == want
