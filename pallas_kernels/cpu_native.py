@@ -291,8 +291,8 @@ QGEMM_MAX_ROWS = 256
 
 def use_native_dequantize(x) -> bool:
     """Whether a block-quantized weight is dequantized by the native kernel (cpu_qgemm.cc) for a product of ``x``
-    too large for qgemm: the trace allows native products, x float32 and the kernel is built. XLA:CPU's own
-    dequantization of a whole model's weights cost a 123-token prompt ~1.5 s (docs/BENCHMARKS.md §44)."""
+    too large for qgemm: the trace allows native products, x float32 and the kernel is built. With the jnp
+    dequantization instead, a 123-token prompt's first token took 1,974 ms against 777 (docs/BENCHMARKS.md §44)."""
     return _products.get() and x.dtype == "float32" and loaded("qgemm")
 
 
