@@ -53,7 +53,8 @@ _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++1
 
 def enabled(kernel: str | None = None) -> bool:
     """The user's switch, ``JAXSERVE_CPU_KERNELS``: 1 (the default) for every kernel, 0 (or false/off/no) for none,
-    or a comma list of kernel names ("attention", "gemv") for those alone. ``kernel=None`` asks whether any is on."""
+    or a comma list of kernel names ("attention", "gemv", "gemm", "qgemm") for those alone. ``kernel=None`` asks
+    whether any is on."""
     value = os.environ.get("JAXSERVE_CPU_KERNELS", "1").strip().lower()
     if value in ("0", "false", "off", "no", ""):
         return False

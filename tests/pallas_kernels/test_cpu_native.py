@@ -152,7 +152,7 @@ def test_switch_names_kernels(monkeypatch):
     monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "gemm")
     assert cpu_native.enabled("gemm") and not cpu_native.enabled("attention")
     monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "matmul")
-    with pytest.raises(ValueError, match=r"'matmul'.*\['attention', 'gemm', 'gemv'\]"):
+    with pytest.raises(ValueError, match=r"'matmul'.*\['attention', 'gemm', 'gemv', 'qgemm'\]"):
         cpu_native.enabled("gemv")
 
 
