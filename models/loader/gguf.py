@@ -104,23 +104,41 @@ class GGUFTensor:
         return undo_rope_permutation(array, self.rope_heads) if self.rope_heads else array
 
 
+class _DecodedBlocks:
+    """One block-quantized tensor decoded on the host once for its three GGUFQuantParts (codes, scales, offsets):
+    the first part asked for decodes all three; the arrays are let go once each part has been taken."""
+
+    def __init__(self, file: GGUFFile, info: TensorInfo):
+        self.file, self.info = file, info
+        self._arrays: tuple[np.ndarray, ...] | None = None
+        self._taken: set[int] = set()
+
+    def take(self, part: int) -> np.ndarray:
+        if self._arrays is None:
+            self._arrays = quantized.decode_blocks(self.file.raw(self.info), self.info.tensor_type.name, self.info.shape)
+        value = self._arrays[part]
+        self._taken.add(part)
+        if len(self._taken) == len(self._arrays):
+            self._arrays, self._taken = None, set()
+        return value
+
+
 @dataclasses.dataclass(frozen=True)
 class GGUFQuantPart:
     """One part of a block-quantized tensor kept quantized (models/quantized.py): its int8 codes ("weight") or
     its per-block scales or offsets ("weight_scale", "weight_offset"), decoded on the host, in HF order."""
 
-    file: GGUFFile
-    info: TensorInfo
+    blocks: _DecodedBlocks  # shared by the tensor's three parts
     rope_heads: int | None
     part: int  # 0 codes, 1 scales, 2 offsets
 
     @property
     def shape(self) -> tuple[int, ...]:
-        n, k = self.info.shape
+        n, k = self.blocks.info.shape
         return (n, k) if self.part == 0 else (n, k // quantized.BLOCK)
 
     def to_param(self, *, transpose: bool, dtype: Any, sharding: Any = None) -> jax.Array:
-        value = quantized.decode_blocks(self.file.raw(self.info), self.info.tensor_type.name, self.info.shape)[self.part]
+        value = self.blocks.take(self.part)
         if self.rope_heads:
             value = undo_rope_permutation(value, self.rope_heads)
         value = np.ascontiguousarray(value.T if transpose else value, dtype=dtype)
@@ -187,9 +205,9 @@ class GGUFCheckpoint:
             elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
                 rope_heads = config["num_key_value_heads"]
             if quantized_weights and _keeps_quantized(hf_name):
-                stem = hf_name[: -len("weight")]
+                stem, blocks = hf_name[: -len("weight")], _DecodedBlocks(self._file, t)
                 for part, suffix in enumerate(("weight", "weight_scale", "weight_offset")):
-                    yield stem + suffix, GGUFQuantPart(self._file, t, rope_heads, part)
+                    yield stem + suffix, GGUFQuantPart(blocks, rope_heads, part)
                 continue
             yield hf_name, GGUFTensor(self._file, t, rope_heads)
 
