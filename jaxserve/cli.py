@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, serve, convert, bench. Engine flags use vLLM's names (dashes or underscores)."""
+"""The `jaxserve` command: generate, serve, convert, agreement, bench. Engine flags use vLLM's names (dashes or underscores)."""
 
 from __future__ import annotations
 
@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser = None
     if add_serve_parser is not None:
         add_serve_parser(sub, add_engine_args)
+
+    from jaxserve.agreement import cli as agreement_cli
+
+    agreement_cli.add_parser(sub, add_engine_args)
 
     bench = sub.add_parser("bench", help="benchmarks: throughput (offline), latency (single stream), ablation, serve (load generator), sweep, suite, load (start-up load phase), embed (embeddings/s), spec-decode (speculative decoding vs none), spec-sweep (forced acceptance 0..k), lora (multi-LoRA vs none), vl (vision-language vs HF), score (prompt logprobs, as evaluation harnesses score), structured (a JSON schema vs the same tokens unconstrained)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
