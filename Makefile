@@ -17,8 +17,10 @@ serve: install
 # on a 2-core machine the suite takes ~25% less time than in one process, whose compiles and Python leave a core
 # idle much of the time. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
+# One compilation cache for the whole run (fresh unless JAXSERVE_CACHE_DIR is set, as .ci/run does): tests that
+# build engines over the same tiny checkpoints, and both replicas of a DP engine, compile a program once.
 test: install-test
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	JAX_PLATFORMS=cpu JAXSERVE_CACHE_DIR="$${JAXSERVE_CACHE_DIR:-$$(mktemp -d)/xla}" $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The tests that only run on an NVIDIA GPU (on a CPU they skip): the Mosaic and Triton kernels against the
 # reference, the engine on the pallas backend, true float32 against transformers, the executable store.

@@ -39,6 +39,13 @@ def checkpoint(variant: str) -> str:
     return path
 
 
+def run_cache_dir() -> str:
+    """The compilation cache of this test run: `make test` and .ci/run point JAXSERVE_CACHE_DIR at a fresh
+    directory, so engines that compile the same programs (the tiny checkpoints' steps, both replicas of a DP
+    engine) compile them once per run; without it (pytest run by hand) "" keeps tests out of the user's cache."""
+    return os.environ.get("JAXSERVE_CACHE_DIR", "")
+
+
 def small_engine_kwargs(**overrides):
     """fp32, short context, tiny budget (forces chunked prefill), small blocks, steps compiled on first use.
 
@@ -52,7 +59,7 @@ def small_engine_kwargs(**overrides):
         max_num_batched_tokens=32,
         max_num_seqs=8,
         block_size=4,
-        compilation_cache_dir="",
+        compilation_cache_dir=run_cache_dir(),
         use_tqdm_on_load=False,
         precompile="none",
     )

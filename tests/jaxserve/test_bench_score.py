@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from engine_fixtures import checkpoint
+from engine_fixtures import checkpoint, run_cache_dir
 
 from jaxserve.cli import main
 
@@ -14,7 +14,7 @@ def test_bench_score_reports_both_sides_and_they_agree(tmp_path):
     out = tmp_path / "result.json"
     rc = main(["bench", "score", "--model", checkpoint("llama_gqa"), "--dtype", "float32", "--num-prompts", "6",
                "--input-len", "40", "--k", "2", "--compare-hf", "--hf-batch-size", "4", "--max-model-len", "128",
-               "--max-num-batched-tokens", "32", "--compilation-cache-dir", "", "--precompile", "none",
+               "--max-num-batched-tokens", "32", "--compilation-cache-dir", run_cache_dir(), "--precompile", "none",
                "--output-json", str(out)])  # fmt: skip
     assert rc == 0
     result = json.loads(out.read_text())

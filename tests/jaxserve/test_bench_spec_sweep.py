@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from engine_fixtures import run_cache_dir
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve.cli import main
@@ -14,7 +15,7 @@ def test_spec_sweep_rows_accept_what_they_force(tmp_path):
     model = make_tiny_checkpoint(tmp_path / "m", max_position_embeddings=256)
     out = tmp_path / "sweep.json"
     rc = main(["bench", "spec-sweep", "--model", str(model), "--input-len", "12", "--output-len", "9", "--repeats",
-               "1", "--max-model-len", "128", "--compilation-cache-dir", "", "--acceptance", "2,0", "--speculative-config",
+               "1", "--max-model-len", "128", "--compilation-cache-dir", run_cache_dir(), "--acceptance", "2,0", "--speculative-config",
                '{"method": "ngram", "num_speculative_tokens": 2}', "--output-json", str(out)])  # fmt: skip
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from engine_fixtures import run_cache_dir
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve.bench import matmul_shapes, step_timeline
@@ -59,7 +60,7 @@ def test_throughput_bench_writes_the_timeline(tmp_path):
     model = make_tiny_checkpoint(tmp_path / "m", max_position_embeddings=256)
     out = tmp_path / "t.json"
     rc = main(["bench", "throughput", "--model", str(model), "--num-prompts", "6", "--input-len", "12", "--output-len",
-               "5", "--max-model-len", "128", "--compilation-cache-dir", "", "--output-json", str(out)])  # fmt: skip
+               "5", "--max-model-len", "128", "--compilation-cache-dir", run_cache_dir(), "--output-json", str(out)])  # fmt: skip
     assert rc == 0
     result = json.loads(out.read_text())
     rows = result["step_timeline"]

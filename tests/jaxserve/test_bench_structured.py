@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from engine_fixtures import checkpoint
+from engine_fixtures import checkpoint, run_cache_dir
 
 from jaxserve.bench.structured import fits
 from jaxserve.cli import main
@@ -15,7 +15,7 @@ def test_bench_structured_reports_both_runs(tmp_path):
     out = tmp_path / "result.json"
     rc = main(["bench", "structured", "--model", checkpoint("llama_gqa"), "--dtype", "float32", "--num-prompts", "4",
                "--input-len", "20", "--max-model-len", "256", "--max-num-batched-tokens", "64",
-               "--compilation-cache-dir", "", "--precompile", "none", "--output-json", str(out)])  # fmt: skip
+               "--compilation-cache-dir", run_cache_dir(), "--precompile", "none", "--output-json", str(out)])  # fmt: skip
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["valid_outputs"] == 4 and result["finish_reasons"] == {"stop": 4, "length": 0}
@@ -28,7 +28,7 @@ def test_bench_structured_prices_the_token_rules(tmp_path):
         out = tmp_path / f"{constraint}.json"
         rc = main(["bench", "structured", "--model", checkpoint("llama_gqa"), "--dtype", "float32", "--num-prompts",
                    "3", "--input-len", "20", "--max-model-len", "256", "--max-tokens", "8", "--constraint", constraint,
-                   "--compilation-cache-dir", "", "--precompile", "none", "--output-json", str(out)])  # fmt: skip
+                   "--compilation-cache-dir", run_cache_dir(), "--precompile", "none", "--output-json", str(out)])  # fmt: skip
         assert rc == 0
         result = json.loads(out.read_text())
         assert result["constraint"] == constraint and result["output_tokens"] == 24

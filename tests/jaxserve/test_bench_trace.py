@@ -7,6 +7,7 @@ import gzip
 import json
 
 import pytest
+from engine_fixtures import run_cache_dir
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve.bench import trace
@@ -53,7 +54,7 @@ def test_spec_sweep_traces_a_request_per_row(tmp_path, capsys):
     model = make_tiny_checkpoint(tmp_path / "m", max_position_embeddings=256)
     out = tmp_path / "sweep.json"
     rc = main(["bench", "spec-sweep", "--model", str(model), "--input-len", "12", "--output-len", "6", "--repeats",
-               "1", "--max-model-len", "128", "--compilation-cache-dir", "", "--acceptance", "2", "--speculative-config",
+               "1", "--max-model-len", "128", "--compilation-cache-dir", run_cache_dir(), "--acceptance", "2", "--speculative-config",
                '{"method": "ngram", "num_speculative_tokens": 2}', "--output-json", str(out),
                "--trace-dir", str(tmp_path / "tr")])  # fmt: skip
     assert rc == 0
@@ -67,7 +68,7 @@ def test_throughput_traces_a_window_of_steps(tmp_path, capsys):
     model = make_tiny_checkpoint(tmp_path / "m", max_position_embeddings=256)
     out = tmp_path / "tp.json"
     base = ["bench", "throughput", "--model", str(model), "--num-prompts", "3", "--input-len", "12", "--output-len",
-            "6", "--max-model-len", "128", "--compilation-cache-dir", "", "--precompile", "none"]  # fmt: skip
+            "6", "--max-model-len", "128", "--compilation-cache-dir", run_cache_dir(), "--precompile", "none"]  # fmt: skip
     rc = main([*base, "--output-json", str(out), "--trace-dir", str(tmp_path / "tr"), "--trace-steps", "2:3"])
     assert rc == 0
     res = json.loads(out.read_text())

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 
+from engine_fixtures import run_cache_dir
 from tiny_qwen2_vl import tiny_qwen2_vl
 
 from jaxserve.bench import hf_vl_generate, vl
@@ -22,7 +23,7 @@ def test_rows_and_table(tmp_path):
     shutil.copy(os.path.join(tiny_qwen2_vl(), "config.json"), config_only)
     engine_args = vl.row_settings("fp32", dict(model=str(config_only), load_format="dummy", max_model_len=64, max_num_batched_tokens=16,
                                                max_num_seqs=1,  # two step shapes: a 16-token prefill, a decode
-                                               block_size=4, compilation_cache_dir="", precompile="none"))
+                                               block_size=4, compilation_cache_dir=run_cache_dir(), precompile="none"))
     spec.write_text(json.dumps({"engine_args": engine_args, "workload": WORKLOAD}))
     vl.child_main(str(spec), str(res))
     ours = json.loads(res.read_text())

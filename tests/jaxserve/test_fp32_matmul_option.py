@@ -8,6 +8,8 @@ import json
 import jax
 import pytest
 
+from engine_fixtures import run_cache_dir
+
 from jaxserve import model_loader
 from jaxserve.cli import add_engine_args
 from jaxserve.config import EngineArgs
@@ -55,7 +57,7 @@ def test_engine_builds_the_model_with_the_option(tmp_path, monkeypatch, option, 
     monkeypatch.setattr(model_loader, "load_model", load_and_stop)
     args = EngineArgs(
         model=str(tmp_path), load_format="dummy", dtype="float32", fp32_matmul_precision=option,
-        attention_backend="reference", compilation_cache_dir="",
+        attention_backend="reference", compilation_cache_dir=run_cache_dir(),
     )  # fmt: skip
     with pytest.raises(_Stop) as stop:  # stops before the KV cache and compiling: the model is what matters
         build_engine_components(args, progress=False)

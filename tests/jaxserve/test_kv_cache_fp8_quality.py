@@ -15,6 +15,8 @@ import math
 
 import pytest
 
+from engine_fixtures import run_cache_dir
+
 from jaxserve import LLM, SamplingParams
 
 PROMPTS = [
@@ -36,7 +38,7 @@ MAX_TOKENS = 16
 def _run(kv_cache_dtype: str):
     llm = LLM(
         kv_cache_dtype=kv_cache_dtype, max_model_len=64, max_num_batched_tokens=256, max_num_seqs=32,
-        precompile="none", compilation_cache_dir="", use_tqdm_on_load=False,
+        precompile="none", compilation_cache_dir=run_cache_dir(), use_tqdm_on_load=False,
     )  # fmt: skip
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=20), use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from embedding_fixtures import minilm_path, sentences
-from engine_fixtures import _ROOT
+from engine_fixtures import _ROOT, run_cache_dir
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve.llm import LLM
@@ -33,9 +33,9 @@ def _llm(kind: str, tp: int, dp: int) -> LLM:
     if kind == "minilm":  # small steps: 2 rows of 128 tokens, so one call makes several batches
         kw = dict(max_model_len=128, max_num_batched_tokens=256)
         return LLM(minilm_path(), tensor_parallel_size=tp, data_parallel_size=dp, precompile="none",
-                   compilation_cache_dir="", use_tqdm_on_load=False, **kw)  # fmt: skip
+                   compilation_cache_dir=run_cache_dir(), use_tqdm_on_load=False, **kw)  # fmt: skip
     return LLM(_decoder_path(), runner="pooling", dtype="float32", max_model_len=64, max_num_batched_tokens=64,
-               tensor_parallel_size=tp, data_parallel_size=dp, precompile="none", compilation_cache_dir="",
+               tensor_parallel_size=tp, data_parallel_size=dp, precompile="none", compilation_cache_dir=run_cache_dir(),
                use_tqdm_on_load=False)  # fmt: skip
 
 
@@ -78,7 +78,7 @@ def test_tp_weights_follow_the_rules_table():
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 def test_tp_refuses_heads_it_cannot_split():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=8 does not divide the model's 12 attention heads"):
-        LLM(minilm_path(), tensor_parallel_size=8, compilation_cache_dir="", use_tqdm_on_load=False)
+        LLM(minilm_path(), tensor_parallel_size=8, compilation_cache_dir=run_cache_dir(), use_tqdm_on_load=False)
 
 
 def test_server_embeddings_under_tp():
@@ -92,7 +92,7 @@ def test_server_embeddings_under_tp():
 
     ns = parse_args(build_parser(), ["serve", minilm_path(), "--tensor-parallel-size", "2", "--max-model-len", "128",
                                      "--max-num-batched-tokens", "256", "--precompile", "none",
-                                     "--compilation-cache-dir", ""])  # fmt: skip
+                                     "--compilation-cache-dir", run_cache_dir()])  # fmt: skip
     args = engine_args_from(ns)
     assert args.tensor_parallel_size == 2
     texts = sentences(24)[:3]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_fixtures import checkpoint, generate, small_engine_kwargs
+from engine_fixtures import checkpoint, generate, run_cache_dir, small_engine_kwargs
 from tiny_gguf import write_gguf_from_hf
 
 from jaxserve import LLM, SamplingParams
@@ -163,7 +163,7 @@ def test_the_default_model_on_codes():
     greedy tokens of the file dequantized at load."""
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    kw = dict(max_model_len=256, compilation_cache_dir="", precompile="none", use_tqdm_on_load=False)
+    kw = dict(max_model_len=256, compilation_cache_dir=run_cache_dir(), precompile="none", use_tqdm_on_load=False)
     codes = LLM(quantization="gguf", **kw)
     want = LLM(**kw).generate(prompts, greedy, use_tqdm=False)
     assert _tokens(codes.generate(prompts, greedy, use_tqdm=False)) == _tokens(want)
@@ -195,7 +195,7 @@ def test_the_server_on_codes(dequantized, gguf_file):
     from jaxserve.server.testing import ServerThread
 
     args = EngineArgs(model=gguf_file, served_model_name="tiny", quantization="gguf", dtype="float32",
-                      max_model_len=128, compilation_cache_dir="", precompile="none")
+                      max_model_len=128, compilation_cache_dir=run_cache_dir(), precompile="none")
     engine = AsyncLLMEngine.from_engine_args(args, progress=False)
     with ServerThread(engine) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -9,6 +9,7 @@ import base64
 import io
 
 import pytest
+from engine_fixtures import run_cache_dir
 from tiny_qwen2_vl import IMG, PH, hf_greedy, image, tiny_qwen2_vl, tiny_vl_llm
 
 from jaxserve.llm import LLM
@@ -96,7 +97,7 @@ def test_tensor_parallel_matches_hf():
     hand: 13 s of unjitted CPU ops, too slow to run here.)"""
     llm = LLM(
         tiny_qwen2_vl(), dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2,
-        block_size=4, compilation_cache_dir="", use_tqdm_on_load=False, precompile="none", tensor_parallel_size=2,
+        block_size=4, compilation_cache_dir=run_cache_dir(), use_tqdm_on_load=False, precompile="none", tensor_parallel_size=2,
     )  # fmt: skip
     prompts = [{"prompt": f"the cat {PH} is on", "multi_modal_data": {"image": image(56, 84)}}]
     _check(llm, prompts, llm.generate(prompts, _params(), use_tqdm=False))

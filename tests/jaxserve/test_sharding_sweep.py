@@ -5,7 +5,7 @@ import json
 
 import jax
 import pytest
-from engine_fixtures import checkpoint
+from engine_fixtures import checkpoint, run_cache_dir
 
 from jaxserve.bench import sweep
 from jaxserve.cli import build_parser
@@ -58,7 +58,7 @@ def test_small_sweep_runs_offline_and_serving_phases(tmp_path):
         "bench", "sweep", "--tp", "1", "--dp", "1,2", "--model", checkpoint("llama_gqa"), "--dtype", "float32",
         "--num-prompts", "4", "--input-len", "12", "--output-len", "4", "--range-ratio", "0",
         "--serve-num-prompts", "4", "--serve-concurrency", "2", "--max-model-len", "64",
-        "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4", "--compilation-cache-dir", "",
+        "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4", "--compilation-cache-dir", run_cache_dir(),
         "--timeout", "300", "--output-json", str(out), "--output-png", "",
     ])
     assert ns.func(ns) == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_fixtures import checkpoint, fresh_compiles, generate, small_engine_kwargs
+from engine_fixtures import checkpoint, fresh_compiles, generate, run_cache_dir, small_engine_kwargs
 
 from jaxserve import LLM, SamplingParams
 
@@ -155,7 +155,7 @@ def test_default_model_ngram_greedy_is_exact():
     text is greedy decoding's exactly."""
     code = "def add(a, b):\n    total = a + b\n    return total\n\nprint(add(2, 3))\n"
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    llm = LLM(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, compilation_cache_dir="",
+    llm = LLM(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, compilation_cache_dir=run_cache_dir(),
               use_tqdm_on_load=False, speculative_config=spec, precompile="none")
     messages = [{"role": "user", "content": "Rename the function add to plus and show the whole code:\n\n" + code}]
     sp = SamplingParams(temperature=0, max_tokens=40)

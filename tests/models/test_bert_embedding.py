@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from engine_fixtures import run_cache_dir
 from embedding_fixtures import minilm_path, sentences
 
 from jaxserve.llm import LLM
@@ -26,7 +27,7 @@ def reference(path):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    return LLM(path, max_num_batched_tokens=512, compilation_cache_dir="", use_tqdm_on_load=False)
+    return LLM(path, max_num_batched_tokens=512, compilation_cache_dir=run_cache_dir(), use_tqdm_on_load=False)
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

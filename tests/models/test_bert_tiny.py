@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
+from engine_fixtures import run_cache_dir
+
 from jaxserve.llm import LLM
 from jaxserve.models.bert import EncoderConfig
 from jaxserve.pooling_params import PoolingParams
@@ -22,7 +24,7 @@ def test_cls_pooling_equals_hf(tmp_path, hidden_act):
     torch.manual_seed(0)
     BertForMaskedLM(cfg).save_pretrained(tmp_path)
     hf = BertModel.from_pretrained(tmp_path, add_pooling_layer=False, attn_implementation="eager").eval()
-    llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=128, compilation_cache_dir="", precompile="none",
+    llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=128, compilation_cache_dir=run_cache_dir(), precompile="none",
               skip_tokenizer_init=True, use_tqdm_on_load=False)  # fmt: skip
     info = llm.llm_engine.info()
     assert (info["runner"], info["pooling_type"], info["normalize"]) == ("pooling", "cls", True)
@@ -53,7 +55,7 @@ def test_roberta_positions_start_after_padding(tmp_path, arch):
     torch.manual_seed(0)
     mlm_cls(cfg).save_pretrained(tmp_path)
     hf = AutoModel.from_pretrained(tmp_path, add_pooling_layer=False, attn_implementation="eager").eval()
-    llm = LLM(str(tmp_path), dtype="float32", compilation_cache_dir="", precompile="none", skip_tokenizer_init=True,
+    llm = LLM(str(tmp_path), dtype="float32", compilation_cache_dir=run_cache_dir(), precompile="none", skip_tokenizer_init=True,
               use_tqdm_on_load=False)  # fmt: skip
     assert llm.llm_engine.info()["max_model_len"] == 78  # 80 positions, numbered from padding_idx + 1 = 2
     prompts = [[0, 17, 33, 90, 2], list(range(3, 81))]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModel
 
+from engine_fixtures import run_cache_dir
 from tiny_models import VARIANTS, make_tiny_checkpoint
 
 from jaxserve.llm import LLM
@@ -51,7 +52,7 @@ def test_last_token_pooling_equals_hf(tmp_path, kind):
         path = make_tiny_checkpoint(tmp_path / "llama", "llama")
         kwargs = {"task": "embed"}  # vLLM's older spelling of runner="pooling"
     # Rows of 64 tokens, four to a step: the prompts share rows and attention stays within each row.
-    llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_batched_tokens=256, compilation_cache_dir="",
+    llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_batched_tokens=256, compilation_cache_dir=run_cache_dir(),
               precompile="none", use_tqdm_on_load=False, **kwargs)  # fmt: skip
     info = llm.llm_engine.info()
     assert (info["pooling_type"], info["attention_row_len"]) == ("last", 64)
@@ -68,7 +69,7 @@ def test_last_token_pooling_equals_hf(tmp_path, kind):
 def test_generate_model_refuses_embed(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "llama", "llama")
     llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
-              compilation_cache_dir="", precompile="none", use_tqdm_on_load=False)  # fmt: skip
+              compilation_cache_dir=run_cache_dir(), precompile="none", use_tqdm_on_load=False)  # fmt: skip
     with pytest.raises(ValueError, match="runs as a generative model, which does not embed.*runner='pooling'"):
         llm.embed("hello")
 
@@ -77,7 +78,7 @@ def test_matryoshka_dimensions_truncate_then_normalize(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "llama", "llama")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
-    llm = LLM(str(path), runner="pooling", dtype="float32", max_num_batched_tokens=64, compilation_cache_dir="",
+    llm = LLM(str(path), runner="pooling", dtype="float32", max_num_batched_tokens=64, compilation_cache_dir=run_cache_dir(),
               precompile="none", use_tqdm_on_load=False)  # fmt: skip
     ids = {"prompt_token_ids": PROMPTS[0]}
     full = np.array(llm.embed(ids, PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding)

@@ -9,6 +9,7 @@ import openai
 import pytest
 import requests
 
+from engine_fixtures import run_cache_dir
 from embedding_fixtures import minilm_path
 from tiny_models import make_tiny_checkpoint
 
@@ -22,7 +23,7 @@ TEXTS = ["A serving engine batches requests.", "The quick brown fox jumps over t
 @pytest.fixture(scope="module")
 def server():
     args = EngineArgs(
-        model=minilm_path(), served_model_name="minilm", compilation_cache_dir="", max_num_batched_tokens=256
+        model=minilm_path(), served_model_name="minilm", compilation_cache_dir=run_cache_dir(), max_num_batched_tokens=256
     )
     engine = AsyncLLMEngine.from_engine_args(args, progress=False)
     with ServerThread(engine) as srv:
@@ -104,7 +105,7 @@ def test_embeddings_on_a_generate_server_say_why(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "llama", "llama")
     args = EngineArgs(
         model=str(path), served_model_name="tiny", dtype="float32", max_model_len=64, max_num_batched_tokens=32,
-        max_num_seqs=4, block_size=8, compilation_cache_dir="", precompile="none",
+        max_num_seqs=4, block_size=8, compilation_cache_dir=run_cache_dir(), precompile="none",
     )  # fmt: skip
     with ServerThread(AsyncLLMEngine.from_engine_args(args, progress=False)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -10,6 +10,7 @@ import re
 import httpx
 import pytest
 
+from engine_fixtures import run_cache_dir
 from server_probes import metric, slow_steps, wait_idle
 from tiny_models import make_tiny_checkpoint
 
@@ -27,7 +28,7 @@ def server(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
     args = EngineArgs(
         model=str(path), served_model_name="tiny", dtype="float32", max_model_len=512,
-        max_num_batched_tokens=32, max_num_seqs=2, block_size=8, compilation_cache_dir="",
+        max_num_batched_tokens=32, max_num_seqs=2, block_size=8, compilation_cache_dir=run_cache_dir(),
     )
     engine = AsyncLLMEngine.from_engine_args(args, progress=False, max_waiting_requests=MAX_WAITING)
     with ServerThread(engine, api_key=KEY) as srv:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from engine_fixtures import run_cache_dir
 from lora_fixtures import make_peft_adapter, peft_greedy
 from tiny_models import make_tiny_checkpoint
 from transformers import AutoTokenizer
@@ -25,7 +26,7 @@ def setup(tmp_path_factory):
     b = make_peft_adapter(base, root / "chat", r=16, seed=12, targets=["q_proj", "down_proj"])
     args = EngineArgs(
         model=str(base), served_model_name="tiny", dtype="float32", max_model_len=64, max_num_batched_tokens=32,
-        max_num_seqs=8, block_size=8, compilation_cache_dir="", precompile="none",
+        max_num_seqs=8, block_size=8, compilation_cache_dir=run_cache_dir(), precompile="none",
         enable_lora=True, max_loras=2, max_lora_rank=16,
     )
     engine = AsyncLLMEngine.from_engine_args(args, progress=False)

@@ -9,6 +9,7 @@ import re
 import openai
 import pytest
 
+from engine_fixtures import run_cache_dir
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve.async_engine import AsyncLLMEngine
@@ -21,7 +22,7 @@ def server(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
     args = EngineArgs(
         model=str(path), served_model_name="tiny", dtype="float32", max_model_len=128,
-        max_num_batched_tokens=64, max_num_seqs=32, block_size=8, compilation_cache_dir="",
+        max_num_batched_tokens=64, max_num_seqs=32, block_size=8, compilation_cache_dir=run_cache_dir(),
     )
     engine = AsyncLLMEngine.from_engine_args(args, progress=False)
     with ServerThread(engine, tool_call_parser="hermes") as srv:

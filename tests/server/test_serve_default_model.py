@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+from engine_fixtures import run_cache_dir
+
 from jaxserve.server.testing import free_port
 
 
@@ -23,7 +25,7 @@ def served(tmp_path_factory):
     cmd = [
         sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--host", "127.0.0.1",
         "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
-        "--compilation-cache-dir", "", "--graceful-shutdown-timeout", "60",
+        "--compilation-cache-dir", run_cache_dir(), "--graceful-shutdown-timeout", "60",
     ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(log_path, "w") as log:

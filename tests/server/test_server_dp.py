@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from dp_probes import set_step_delay
+from engine_fixtures import run_cache_dir
 from server_probes import metric, wait_idle
 from tiny_models import make_tiny_checkpoint
 
@@ -29,7 +30,7 @@ def server(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
     args = EngineArgs(
         model=str(path), served_model_name="tiny", dtype="float32", max_model_len=512,
-        max_num_batched_tokens=32, max_num_seqs=4, block_size=8, compilation_cache_dir="",
+        max_num_batched_tokens=32, max_num_seqs=4, block_size=8, compilation_cache_dir=run_cache_dir(),
         tensor_parallel_size=2, data_parallel_size=2,
     )
     engine = AsyncLLMEngine.from_engine_args(args, progress=False)

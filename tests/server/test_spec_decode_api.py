@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from engine_fixtures import run_cache_dir
 from tiny_models import make_tiny_checkpoint
 
 from jaxserve import LLM, SamplingParams
@@ -17,7 +18,7 @@ from jaxserve.server.testing import ServerThread
 
 PROMPTS = ["Hello world", "The weather today is", "One two three four five"]
 KW = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8, block_size=8,
-          compilation_cache_dir="", precompile="none")
+          compilation_cache_dir=run_cache_dir(), precompile="none")
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import io
 import httpx
 import openai
 import pytest
+from engine_fixtures import run_cache_dir
 from tiny_qwen2_vl import IMG, hf_greedy, image, tiny_qwen2_vl
 
 from jaxserve.async_engine import AsyncLLMEngine
@@ -28,7 +29,7 @@ def media_dir(tmp_path_factory):
 def server(media_dir):
     args = EngineArgs(
         model=tiny_qwen2_vl(), served_model_name="tiny-vl", dtype="float32", max_model_len=256,
-        max_num_batched_tokens=32, max_num_seqs=8, block_size=4, compilation_cache_dir="", precompile="none",
+        max_num_batched_tokens=32, max_num_seqs=8, block_size=4, compilation_cache_dir=run_cache_dir(), precompile="none",
         allowed_local_media_path=str(media_dir), limit_mm_per_prompt="image=2",
     )  # fmt: skip
     engine = AsyncLLMEngine.from_engine_args(args, progress=False)
