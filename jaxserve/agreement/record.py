@@ -7,7 +7,6 @@ per position (EOS ignored, so every record has the same length). A position is {
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 FORMAT = "jaxserve-agreement/1"
@@ -45,6 +44,7 @@ def hf_record(args, *, k: int, max_tokens: int, prompts: tuple[str, ...]) -> dic
 
     from jaxserve.agreement import hf_record
     from jaxserve.bench.latency import model_path_and_config, resolve_dtype
+    from jaxserve.engine_setup import _default_served_name
     from jaxserve.model_loader import load_tokenizer
 
     path, _ = model_path_and_config(args)
@@ -53,11 +53,11 @@ def hf_record(args, *, k: int, max_tokens: int, prompts: tuple[str, ...]) -> dic
     dtype = resolve_dtype(args.dtype)
     hf = hf_record.run_in_subprocess(path, ids, dtype, k, max_tokens)
     rows = [{"prompt": text, "prompt_token_ids": p, **row} for text, p, row in zip(prompts, ids, hf["prompts"])]
-    name = os.path.basename(path.rstrip("/"))
+    name = args.served_model_name or _default_served_name(args.model, path)  # the name jaxserve's record shows
     return {
         "backend": hf["backend"], "device": hf["device"], "date": time.strftime("%Y-%m-%d"),
         "versions": f"torch {hf['torch']}, transformers {hf['transformers']}",
-        "engine_info": {"model": name[: -len(".gguf")] if name.endswith(".gguf") else name, "dtype": dtype,
+        "engine_info": {"model": name, "dtype": dtype,
                         "fp32_matmul_precision": "highest", "attention_backend": "transformers",
                         "tensor_parallel_size": 1},
         "engine_args": {"model": path, "dtype": dtype},
