@@ -115,7 +115,7 @@ def test_engine_greedy_tokens_equal_with_switch_on(monkeypatch):
     path = checkpoint("llama_gqa")
     rng = np.random.default_rng(2)
     prompts = [{"prompt_token_ids": rng.integers(2, 500, size=n).tolist()} for n in (5, 40)]  # 40 > 32: a chunked prefill
-    params = SamplingParams(temperature=0.0, max_tokens=5)
+    params = SamplingParams(temperature=0.0, max_tokens=3)  # decodes after a prefill; each step is interpreted
     kw = small_engine_kwargs(
         max_num_batched_tokens=32, max_num_seqs=2, kv_cache_dtype="fp8_e4m3", attention_backend="pallas", precompile="none"
     )  # fmt: skip
