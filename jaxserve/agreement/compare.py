@@ -115,6 +115,7 @@ def _describe(rec: dict) -> dict[str, str]:
         "matmul": str(info.get("fp32_matmul_precision", "")) if info.get("dtype") == "float32" else "",
         "attention": str(info.get("attention_backend", "?")),
         "tp": str(info.get("tensor_parallel_size", 1)),
+        "dp": str(info.get("data_parallel_size", 1)),
         "quantization": str((rec.get("engine_args") or {}).get("quantization") or "none"),
         "versions": str(rec.get("versions") or f"jax {rec.get('jax', '?')}"),
         "date": str(rec.get("date", "?")),
@@ -138,7 +139,7 @@ def markdown(records: dict[str, dict], results: list[dict]) -> str:
     lines = [f"# Agreement report: {model}", "",
              f"{len(first)} prompts, {len(first[0]['greedy_positions']) if first else 0} greedy tokens each (EOS "
              "ignored), logprobs of every prompt and generated position.", ""]  # fmt: skip
-    cols = ["backend", "device", "dtype", "matmul", "attention", "tp", "quantization", "versions", "date"]
+    cols = ["backend", "device", "dtype", "matmul", "attention", "tp", "dp", "quantization", "versions", "date"]
     lines += ["| record | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name in names:
         d = _describe(records[name])

@@ -102,7 +102,7 @@ def test_float32_record_agrees_with_hf_record(tmp_path, capsys):
                  "--output-json", str(out_json)]) == 0  # fmt: skip
     report = capsys.readouterr().out
     assert report == (tmp_path / "r.md").read_text()
-    assert "| jaxserve_cpu | cpu | cpu | float32 | highest | xla | 1 | none | jax " in report
+    assert "| jaxserve_cpu | cpu | cpu | float32 | highest | xla | 1 | 1 | none | jax " in report
     (result,) = json.loads(out_json.read_text())
     assert result["greedy"]["identical"] == result["greedy"]["prompts"] == 3
     assert result["top1_agreement"] == 1.0 and result["logprob_diff"]["max"] < 1e-4
