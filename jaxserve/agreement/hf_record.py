@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
 import sys
-import tempfile
 
 
 def run_in_subprocess(model_path: str, prompts: list[list[int]], dtype: str, k: int, max_tokens: int) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        req, res = os.path.join(d, "work.json"), os.path.join(d, "result.json")
-        with open(req, "w") as f:
-            json.dump({"model": model_path, "dtype": dtype, "k": k, "max_tokens": max_tokens, "prompts": prompts}, f)
-        subprocess.run([sys.executable, "-m", "jaxserve.agreement.hf_record", req, res], check=True)
-        with open(res) as f:
-            return json.load(f)
+    from jaxserve.bench.hf_generate import run_in_child
+
+    return run_in_child("jaxserve.agreement.hf_record",
+                        {"model": model_path, "dtype": dtype, "k": k, "max_tokens": max_tokens, "prompts": prompts})
 
 
 def _position(logprobs, token: int, k: int) -> dict:

@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 
 def run_in_subprocess(model_path: str, prompts: list[list[int]], batch_size: int, dtype: str, pooling: str,
                       normalize: bool) -> dict:  # fmt: skip
-    with tempfile.TemporaryDirectory() as d:
-        req, res = os.path.join(d, "work.json"), os.path.join(d, "result.json")
-        with open(req, "w") as f:
-            json.dump({"model": model_path, "batch_size": batch_size, "dtype": dtype, "pooling": pooling,
-                       "normalize": normalize, "prompts": prompts}, f)  # fmt: skip
-        subprocess.run([sys.executable, "-m", "jaxserve.bench.hf_embed", req, res], check=True)
-        with open(res) as f:
-            return json.load(f)
+    from jaxserve.bench.hf_generate import run_in_child
+
+    return run_in_child("jaxserve.bench.hf_embed", {"model": model_path, "batch_size": batch_size, "dtype": dtype,
+                        "pooling": pooling, "normalize": normalize, "prompts": prompts})  # fmt: skip
 
 
 def _load(path: str, dtype, device):

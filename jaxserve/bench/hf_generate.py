@@ -21,16 +21,22 @@ import tempfile
 import time
 
 
-def run_in_subprocess(model_path: str, work, batch_size: int, dtype: str = "float32") -> dict:
-    """Run this module on ``work`` (BenchRequests) in a fresh Python process; returns its result dict."""
+def run_in_child(module: str, spec: dict) -> dict:
+    """Run ``python -m module REQUEST.json RESULT.json`` in a fresh Python process (the HF peers: torch never
+    shares a process or device memory with JAX) on ``spec``; returns the result it wrote."""
     with tempfile.TemporaryDirectory() as d:
         req, res = os.path.join(d, "work.json"), os.path.join(d, "result.json")
         with open(req, "w") as f:
-            json.dump({"model": model_path, "batch_size": batch_size, "dtype": dtype,
-                       "requests": [[w.prompt_token_ids, w.output_len] for w in work]}, f)
-        subprocess.run([sys.executable, "-m", "jaxserve.bench.hf_generate", req, res], check=True)
+            json.dump(spec, f)
+        subprocess.run([sys.executable, "-m", module, req, res], check=True)
         with open(res) as f:
             return json.load(f)
+
+
+def run_in_subprocess(model_path: str, work, batch_size: int, dtype: str = "float32") -> dict:
+    """Run this module on ``work`` (BenchRequests) in a fresh Python process; returns its result dict."""
+    return run_in_child("jaxserve.bench.hf_generate", {"model": model_path, "batch_size": batch_size, "dtype": dtype,
+                        "requests": [[w.prompt_token_ids, w.output_len] for w in work]})  # fmt: skip
 
 
 def torch_device_and_sync():

@@ -10,21 +10,15 @@ the timing and, per prompt, the sum of its tokens' logprobs (for the agreement c
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 
 
 def run_in_subprocess(model_path: str, prompts: list[list[int]], batch_size: int, dtype: str, k: int) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        req, res = os.path.join(d, "work.json"), os.path.join(d, "result.json")
-        with open(req, "w") as f:
-            json.dump({"model": model_path, "batch_size": batch_size, "dtype": dtype, "k": k, "prompts": prompts}, f)
-        subprocess.run([sys.executable, "-m", "jaxserve.bench.hf_score", req, res], check=True)
-        with open(res) as f:
-            return json.load(f)
+    from jaxserve.bench.hf_generate import run_in_child
+
+    return run_in_child("jaxserve.bench.hf_score",
+                        {"model": model_path, "batch_size": batch_size, "dtype": dtype, "k": k, "prompts": prompts})
 
 
 def main(req_path: str, res_path: str) -> None:
