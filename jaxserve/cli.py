@@ -36,6 +36,10 @@ _HELP = {
     "quantization": "gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized in memory (1.25 bytes a weight; "
     "native kernels on the CPU: a single stream ~1.5x faster, prompts and batches slower); none (the default): "
     "dequantize them at load to --dtype",
+    "reasoning_parser": "a reasoning model's <think> format, deepseek_r1 (DeepSeek-R1, QwQ) or qwen3: chat replies "
+    "give the reasoning apart (\"reasoning\"), and structured outputs constrain only the answer after it",
+    "structured_outputs_in_reasoning": "structured outputs constrain the reasoning too (from the reply's first "
+    "token), as vLLM's enable_in_reasoning",
     "compilation_cache_dir": "JAX persistent compilation cache ('' disables; default ~/.cache/jaxserve/xla)",
     "tensor_parallel_size": "devices per replica: attention heads, KV heads and the MLP split over them",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '

@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
 QUANTIZATIONS = ("gguf", "none")  # None is none (models/quantized.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # jaxserve/reasoning.py, which this mirrors
 # How float32 matmuls run (jaxserve.pallas_kernels.precision, which this mirrors without importing JAX):
 # "highest" is true float32, as PyTorch computes by default; "tf32" lets NVIDIA GPUs round inputs to TF32.
 FP32_MATMUL_PRECISIONS = ("highest", "tf32")
@@ -89,6 +90,11 @@ class EngineArgs:
     limit_mm_per_prompt: Optional[Any] = None
     mm_processor_kwargs: Optional[Any] = None
     allowed_local_media_path: Optional[str] = None
+    # Reasoning models (jaxserve/reasoning.py): the format of their <think> blocks. The server then answers chat
+    # with the reasoning apart ("reasoning"), and structured outputs constrain only the answer after the reasoning,
+    # unless structured_outputs_in_reasoning (vLLM's structured_outputs_config.enable_in_reasoning).
+    reasoning_parser: Optional[str] = None
+    structured_outputs_in_reasoning: bool = False
     # Who runs the engine, as vLLM's usage context: "llm" (the offline LLM class, which sets it) or "engine" (a
     # server, the CLI's other commands). It picks defaults only (max_num_batched_tokens: engine_setup.py); no flag.
     usage_context: str = "engine"
@@ -132,6 +138,11 @@ class EngineArgs:
             raise bad("load_format", f"choose one of {LOAD_FORMATS}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"choose one of {QUANTIZATIONS}, or leave it unset (none)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise bad("reasoning_parser", f"choose one of {REASONING_PARSERS}, or leave it unset")
+        if self.structured_outputs_in_reasoning and self.reasoning_parser is None:
+            raise bad("structured_outputs_in_reasoning", "it says how structured outputs treat a reasoning "
+                      "model's reasoning: set reasoning_parser too, or leave it off")
         if self.attention_backend not in ("auto", "reference", "xla", "pallas"):
             raise bad("attention_backend", "choose one of ('auto', 'reference', 'xla', 'pallas')")
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:

@@ -64,6 +64,7 @@ class DPEngine:
         self._tokenizer_lock = threading.Lock()  # LLMEngine.tokenize_prompt's, which this engine borrows
         self.eos_token_ids = first["eos_token_ids"]
         self._grammar_compiler = None  # LLMEngine._compile_grammar's, which this engine borrows (below)
+        self.reasoning = None  # the replicas hold structured outputs back through reasoning; this copy only checks
         self._placements: dict[str, _Placement] = {}
         self._outputs: list[RequestOutput] = []  # arrived, not yet returned by step()
         self._replies: dict[int, Any] = {}  # seq -> an abort's or rpc's answer
@@ -138,7 +139,7 @@ class DPEngine:
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids, params)
         # A constraint that does not compile (or a bad allowed_token_ids, bad_words) fails here, not in a replica.
-        self._token_constraint(params)
+        self._token_constraint(params, prompt_ids)
         if lora_request is not None and lora_request not in self._loras:
             self.add_lora(lora_request)  # checked by every replica here, so a replica's add cannot fail on it
         room = self.model_config.max_model_len - len(prompt_ids)

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any, Callable, Optional
 
+from jaxserve import reasoning
 from jaxserve.config import (
     CacheConfig, EngineArgs, LoRAConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig,
 )  # fmt: skip
@@ -128,6 +129,7 @@ def build_engine_components(
     load_s = time.perf_counter() - t0
     tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
     tokenizer_s = time.perf_counter() - t0 - load_s
+    reasoning.reasoning_tags(args.reasoning_parser, tokenizer)  # a tokenizer without the tags fails before compiling
 
     model_max = text_config.max_position_embeddings
     max_model_len = args.max_model_len or model_max

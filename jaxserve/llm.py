@@ -134,10 +134,12 @@ class LLM:
         lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
         continue_final_message: bool = False,
         tools: Optional[list[dict]] = None,
+        chat_template_kwargs: Optional[dict] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template
-        (``lora_request`` as in ``generate``; ``continue_final_message``, ``tools``: see ``render_chat``). The
-        replies are text: to force a call, pass the function's parameters as a structured_outputs json schema."""
+        (``lora_request`` as in ``generate``; ``continue_final_message``, ``tools``, ``chat_template_kwargs``: see
+        ``render_chat``). The replies are text: to force a call, pass the function's parameters as a
+        structured_outputs json schema."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for c in conversations:
@@ -146,7 +148,8 @@ class LLM:
             from jaxserve.media import split_image_parts
 
             c, images = split_image_parts(c, self.engine_args.allowed_local_media_path)
-            ids = self.apply_chat_template(c, chat_template, add_generation_prompt, continue_final_message, tools)
+            ids = self.apply_chat_template(c, chat_template, add_generation_prompt, continue_final_message, tools,
+                                           chat_template_kwargs)
             prompt = {"prompt_token_ids": ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
@@ -155,12 +158,13 @@ class LLM:
 
     def apply_chat_template(
         self, conversation: Conversation, chat_template=None, add_generation_prompt=True, continue_final_message=False,
-        tools: Optional[list[dict]] = None,
+        tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
     ):
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer, but skip_tokenizer_init=True")
-        return render_chat(tok, conversation, chat_template, add_generation_prompt, continue_final_message, tools)
+        return render_chat(tok, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
+                           chat_template_kwargs)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -238,21 +242,35 @@ def _as_list(prompts) -> list:
     return list(prompts)
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override.
+_RENDER_ARGUMENTS = frozenset({
+    "conversation", "chat_template", "add_generation_prompt", "tokenize", "continue_final_message", "tools",
+    "documents", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "messages",
+})
+
+
 def render_chat(
     tokenizer, conversation: Conversation, chat_template=None, add_generation_prompt=True, continue_final_message=False,
-    tools: Optional[list[dict]] = None,
+    tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
 ) -> list[int]:
     """Token ids of a conversation under the tokenizer's chat template (no double BOS). ``continue_final_message``
     (vLLM's): the last message (usually the assistant's) is left open, so the model continues its text (a prefill).
-    ``tools``: function definitions in OpenAI's format, for templates that describe tools to the model."""
+    ``tools``: function definitions in OpenAI's format, for templates that describe tools to the model.
+    ``chat_template_kwargs``: more variables for the template, e.g. {"enable_thinking": False} for Qwen3."""
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=True continues the last message, so it needs "
                          "add_generation_prompt=False (a new turn would start after it)")
+    extra = dict(chat_template_kwargs or {})
+    taken = sorted(set(extra) & _RENDER_ARGUMENTS)
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken}: they are arguments of their own (use the "
+                         "request's fields of those names)")
     out = tokenizer.apply_chat_template(
         conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
-        continue_final_message=continue_final_message, tools=tools,
+        continue_final_message=continue_final_message, tools=tools, **extra,
     )
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
         out = out["input_ids"]

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from jaxserve import prompt_logprobs, token_rules
+from jaxserve import prompt_logprobs, reasoning, token_rules
 from jaxserve.engine_setup import EngineComponents, build_engine_components
 from jaxserve.config import EngineArgs
 from jaxserve.detokenizer import IncrementalDetokenizer
@@ -27,7 +27,7 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_metadata import MAX_BANNED
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import SchedulerOutput
-from jaxserve.structured_output import Grammar
+from jaxserve.structured_output import Grammar, ReasoningGate
 
 if TYPE_CHECKING:
     from jaxserve.model_runner import StepHandle
@@ -76,6 +76,8 @@ class LLMEngine:
         self.scheduler = c.scheduler
         self.eos_token_ids = c.eos_token_ids
         self._grammar_compiler = None  # structured outputs' (jaxserve.structured_output), made on first use
+        # A reasoning model's format and its tags' ids (jaxserve.reasoning): structured outputs wait for </think>.
+        self.reasoning = reasoning.reasoning_tags(self.args.reasoning_parser, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         # While a step computes on an accelerator, the host detokenizes what deferred requests have so far
         # (OutputProcessor.catch_up_deferred). Not on CPU, where the host's Python and XLA's step share the cores.
@@ -219,7 +221,7 @@ class LLMEngine:
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        grammar = self._token_constraint(params)
+        grammar = self._token_constraint(params, prompt_ids)
         samples = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
@@ -241,9 +243,10 @@ class LLMEngine:
         for s in samples:
             self.scheduler.add_request(s.request)
 
-    def _token_constraint(self, params: SamplingParams):
+    def _token_constraint(self, params: SamplingParams, prompt_ids: list[int]):
         """The request's structured_output.Grammar: its structured_outputs' matcher and its token rules
-        (allowed_token_ids, bad_words), or None when it has neither. ValueError naming the field when one is bad."""
+        (allowed_token_ids, bad_words), or None when it has neither. ValueError naming the field when one is bad.
+        A reasoning model's matcher waits for the end of the reasoning the prompt leaves the reply to do."""
         if not params.uses_token_mask:
             return None
         rules = token_rules.build_token_rules(params, self.tokenizer, self.text_config.vocab_size)
@@ -251,6 +254,11 @@ class LLMEngine:
             return Grammar(None, token_rules.mask_words(self.text_config.vocab_size), rules)
         grammar = self._compile_grammar(params)
         grammar.rules = rules
+        if self.reasoning is not None and not self.args.structured_outputs_in_reasoning:
+            fmt, start_id, end_id = self.reasoning
+            state = reasoning.prompt_state_of_ids(fmt, self.tokenizer, prompt_ids)
+            if state != reasoning.ANSWERING:
+                grammar.gate = ReasoningGate(state, start_id, end_id)
         return grammar
 
     def _compile_grammar(self, params: SamplingParams):

@@ -115,32 +115,75 @@ class StructuredOutputsParams:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
 
 
+class ReasoningGate:
+    """Holds a reasoning model's structured output back until its reasoning is over (EngineArgs.reasoning_parser,
+    jaxserve.reasoning): while the sample thinks, its matcher neither masks nor sees tokens; ``</think>`` hands the
+    rest of the reply to it. A reply that may open with ``<think>`` (state "undecided") gets the grammar's tokens
+    plus ``<think>`` for its first token: ``<think>`` starts reasoning, any other token was the grammar's own."""
+
+    __slots__ = ("state", "start_id", "end_id")
+
+    def __init__(self, state: str, start_id: int, end_id: int):
+        self.state, self.start_id, self.end_id = state, start_id, end_id
+
+    @property
+    def thinking(self) -> bool:
+        return self.state == "thinking"
+
+    def take(self, token: int) -> bool:
+        """Advance past a sampled token; True when the matcher must take it (the answer's tokens)."""
+        if self.state == "undecided":
+            self.state = "thinking" if token == self.start_id else "answering"
+        elif self.state == "thinking" and token == self.end_id:
+            self.state = "answering"
+            return False
+        return self.state == "answering"
+
+    def copy(self) -> "ReasoningGate":
+        return ReasoningGate(self.state, self.start_id, self.end_id)
+
+
 class Grammar:
     """One sample's token constraint: an llguidance matcher (structured outputs), ``token_rules.TokenRules``
-    (allowed_token_ids, bad_words), or both. ``fill`` writes the tokens allowed next, ``accept`` takes a token."""
+    (allowed_token_ids, bad_words), or both. ``fill`` writes the tokens allowed next, ``accept`` takes a token.
+    ``gate`` (a ReasoningGate, or None) keeps the matcher out of a reasoning model's reasoning; the rules apply
+    throughout."""
 
-    __slots__ = ("matcher", "words", "rules")
+    __slots__ = ("matcher", "words", "rules", "gate")
 
-    def __init__(self, matcher, words: int, rules=None):
+    def __init__(self, matcher, words: int, rules=None, gate: Optional[ReasoningGate] = None):
         self.matcher = matcher  # llguidance.LLMatcher, or None: the rules alone
         self.words = words  # int32 words of a mask row: ceil(vocabulary / 32)
         self.rules = rules  # token_rules.TokenRules, or None
+        self.gate = gate
+
+    @property
+    def masks(self) -> bool:
+        """Whether the matcher writes this sample's next mask (it has one, and no reasoning holds it back)."""
+        return self.matcher is not None and (self.gate is None or not self.gate.thinking)
 
     def fill(self, mask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into ``mask[row]`` ([S, words] int32, bit t % 32 of word t // 32; a row
         without a matcher must arrive all-allowed)."""
-        if self.matcher is not None:
+        if self.masks:
             from llguidance.numpy import fill_next_token_bitmask
 
             fill_next_token_bitmask(self.matcher, mask, row)
+            self.open_reasoning(mask, row)
         if self.rules is not None:
             self.rules.apply(mask[row])
+
+    def open_reasoning(self, mask: np.ndarray, row: int) -> None:
+        """A reply that may still open with <think>: allow it beside the grammar's tokens."""
+        if self.gate is not None and self.gate.state == "undecided":
+            t = self.gate.start_id
+            mask[row, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token. False: the request stops here (the grammar is complete, or refused it)."""
         if self.rules is not None:
             self.rules.accept(token)
-        if self.matcher is None:
+        if self.matcher is None or (self.gate is not None and not self.gate.take(token)):
             return True
         if not self.matcher.consume_token(token):
             logger.warning("structured output: the grammar refused token %d (%s); stopping the request", token,
@@ -155,7 +198,8 @@ class Grammar:
 
     def copy(self) -> "Grammar":
         return Grammar(None if self.matcher is None else self.matcher.deep_copy(), self.words,
-                       None if self.rules is None else self.rules.copy())
+                       None if self.rules is None else self.rules.copy(),
+                       None if self.gate is None else self.gate.copy())
 
 
 class GrammarCompiler:
@@ -209,7 +253,7 @@ def fill_token_masks(mask: np.ndarray, seqs, rows: list[int]) -> None:
     row's sample will be dropped) is skipped: its row stays all-allowed."""
     global _executor
     live = [i for i in rows if not seqs[i].grammar.ended]
-    matched = [i for i in live if seqs[i].grammar.matcher is not None]
+    matched = [i for i in live if seqs[i].grammar.masks]
     if len(matched) == 1:
         seqs[matched[0]].grammar.fill(mask, matched[0])  # its rules too, if any
     else:
@@ -221,10 +265,12 @@ def fill_token_masks(mask: np.ndarray, seqs, rows: list[int]) -> None:
                 _executor = llguidance.LLExecutor()
             fill_next_token_bitmask_par(_executor, [(seqs[i].grammar.matcher, i) for i in matched], mask)
         for i in matched:
+            seqs[i].grammar.open_reasoning(mask, i)
             if seqs[i].grammar.rules is not None:
                 seqs[i].grammar.rules.apply(mask[i])
     for i in live:
-        if seqs[i].grammar.matcher is None:  # rules alone: the row is all-allowed until they apply
+        # Rules alone, or a matcher held back by reasoning: the row is all-allowed until the rules apply.
+        if not seqs[i].grammar.masks and seqs[i].grammar.rules is not None:
             seqs[i].grammar.rules.apply(mask[i])
 
 

@@ -336,6 +336,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new turn
     chat_template: Optional[str] = None  # a Jinja template to use instead of the model's
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more template variables, e.g. {"enable_thinking": false}
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -379,6 +380,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[Tool]] = None  # rendered into the messages' prompt, as on chat
     return_token_strs: bool = False
 

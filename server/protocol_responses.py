@@ -120,6 +120,9 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
+    # A reasoning model's <think> block (--reasoning-parser): vLLM's "reasoning", and its older name too.
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatChoice(BaseModel):
@@ -157,6 +160,8 @@ class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
+    reasoning: Optional[str] = None  # as ChatResponseMessage's
+    reasoning_content: Optional[str] = None
 
 
 class ChatChunkChoice(BaseModel):

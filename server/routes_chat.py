@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve import reasoning
 from jaxserve.llm import render_chat
 from jaxserve.media import load_image
 
@@ -54,8 +55,12 @@ def render_messages(state: ServerState, body) -> list[int]:
     conversation = [m.as_template_dict() for m in body.messages]
     try:
         return render_chat(tokenizer, conversation, body.chat_template, body.add_generation_prompt,
-                           body.continue_final_message, template_tools(body.tools))
-    except (ValueError, jinja2.TemplateError) as e:
+                           body.continue_final_message, template_tools(body.tools), body.chat_template_kwargs)
+    except ValueError as e:
+        if str(e).startswith("chat_template_kwargs"):
+            raise bad_request(str(e), param="chat_template_kwargs") from None
+        raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from None
+    except jinja2.TemplateError as e:
         raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from None
 
 
@@ -105,21 +110,28 @@ async def create_chat_completion(request: Request) -> Response:
     request_id = random_id("chatcmpl")
     streams = await state.submit(request_id, [prompt], params, model, mm=mm)
     if body.stream:
-        events = _stream(state, body, model, request_id, streams, len(prompt), top_k, tools)
+        events = _stream(state, body, model, request_id, streams, prompt, top_k, tools)
         return SSEResponse(guard_stream(events, what="chat", request_id=request_id, engine=state.engine, streams=streams))
     finals = await collect_finals(request, state.engine, streams)
     tracker = DeltaTracker(body.n, [len(prompt)])
+    reply_state = state.reasoning_state(prompt)
     choices = []
     for d in tracker.update(0, finals[0]):
         lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
-        message, finish_reason = ChatResponseMessage(content=d.text), d.finish_reason
+        thought, text = None, d.text
+        if reply_state is not None:  # a reasoning model: the <think> block apart from the answer
+            cut = reasoning.split(state.reasoning, reply_state, d.text, final=True)
+            thought, text = cut.reasoning, cut.content
+        message = ChatResponseMessage(content=(text or None) if thought is not None else text)
+        finish_reason = d.finish_reason
         if tools.parser is not None:
             calls = ToolCallStream(tools)
-            content, made = calls.whole(d.text)
+            content, made = calls.whole(text)
             message = ChatResponseMessage(content=content, tool_calls=[
                 ToolCall(id=call_id, function=FunctionCall(name=c.name, arguments=c.arguments)) for call_id, c in made
             ] or None)
             finish_reason = tools.finish_reason(calls.called, d.finish_reason)
+        message.reasoning = message.reasoning_content = thought
         choices.append(
             ChatChoice(
                 index=d.index, message=message, logprobs=lp, finish_reason=finish_reason, stop_reason=d.stop_reason,
@@ -135,11 +147,11 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def _stream(
-    state: ServerState, body: ChatCompletionRequest, model: str, request_id: str, streams, prompt_len: int, top_k: int,
-    tools: ToolPlan,
+    state: ServerState, body: ChatCompletionRequest, model: str, request_id: str, streams, prompt: list[int],
+    top_k: int, tools: ToolPlan,
 ) -> AsyncIterator[bytes]:
     created = now_s()
-    tracker = DeltaTracker(body.n, [prompt_len])
+    tracker = DeltaTracker(body.n, [len(prompt)])
 
     def chunk(choices, with_usage=None) -> bytes:
         return sse_event(
@@ -150,19 +162,28 @@ async def _stream(
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
 
     calls: dict[int, ToolCallStream] = {}  # per choice, when the reply may hold tool calls
+    reply_state = state.reasoning_state(prompt)
+    thoughts: dict[int, reasoning.ReasoningStream] = {}  # per choice, for a reasoning model
 
     def choice(_, d, __) -> ChatChunkChoice:
         lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
-        delta, finish_reason = DeltaMessage(content=d.text), d.finish_reason
+        final = d.finish_reason is not None
+        thought, text = "", d.text
+        if reply_state is not None:
+            split = thoughts.setdefault(d.index, reasoning.ReasoningStream(state.reasoning, reply_state))
+            thought, text = split.feed(d.text, final)
+        delta, finish_reason = DeltaMessage(content=text if text or not thought else None), d.finish_reason
         if tools.parser is not None:
             stream = calls.setdefault(d.index, ToolCallStream(tools))
-            content, made = stream.feed(d.text, final=d.finish_reason is not None)
-            delta = DeltaMessage(content=content if content or not made else None, tool_calls=[
+            content, made = stream.feed(text, final=final)
+            delta = DeltaMessage(content=content if content or not (made or thought) else None, tool_calls=[
                 DeltaToolCall(index=i, id=call_id, type="function" if call_id else None,
                               function=DeltaFunctionCall(name=c.name if call_id else None, arguments=c.arguments))
                 for i, call_id, c in made
             ] or None)
             finish_reason = tools.finish_reason(stream.called, d.finish_reason)
+        if thought:
+            delta.reasoning = delta.reasoning_content = thought
         return ChatChunkChoice(
             index=d.index, delta=delta, logprobs=lp, finish_reason=finish_reason, stop_reason=d.stop_reason,
         )  # fmt: skip

@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from jaxserve.lora.request import LoRARequest
+from jaxserve.reasoning import ReasoningFormat, prompt_state_of_ids, reasoning_format
 from jaxserve.sampling_params import SamplingParams
 
 from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
@@ -23,6 +24,10 @@ from jaxserve.server.sse import DONE, cancel_on_disconnect
 logger = logging.getLogger("jaxserve.server")
 
 M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+def _reasoning_format(name: Optional[str]) -> Optional[ReasoningFormat]:
+    return None if name is None else reasoning_format(name)
 
 
 @dataclasses.dataclass
@@ -48,6 +53,7 @@ class ServerState:
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     next_lora_id: int = 1
     tool_call_parser: Optional[str] = None  # tool_choice="auto" reads calls in this format (None: refused)
+    reasoning: Optional[ReasoningFormat] = None  # a reasoning model's format (--reasoning-parser): chat splits replies
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine, api_key: Optional[str] = None, **kw) -> "ServerState":
@@ -63,8 +69,15 @@ class ServerState:
             api_key=api_key,
             mm_processor=getattr(core, "mm_processor", None),
             allowed_local_media_path=getattr(getattr(core, "args", None), "allowed_local_media_path", None),
+            reasoning=_reasoning_format(getattr(getattr(core, "args", None), "reasoning_parser", None)),
             **kw,
         )
+
+    def reasoning_state(self, prompt_ids: list[int]) -> Optional[str]:
+        """Where a chat reply to ``prompt_ids`` starts (jaxserve.reasoning.prompt_state); None without a parser."""
+        if self.reasoning is None or self.tokenizer is None:
+            return None
+        return prompt_state_of_ids(self.reasoning, self.tokenizer, prompt_ids)
 
     @property
     def model_name(self) -> str:

@@ -171,3 +171,29 @@ def hf_greedy(path, prompt_ids, max_new_tokens: int, *, ignore_eos: bool = False
             **kwargs,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+# A Qwen3-like template: the reply may open <think> itself; enable_thinking=false closes an empty block in the
+# prompt (reasoning over), open_think=true leaves one open (a DeepSeek-R1-like prompt).
+_THINK_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% if open_think %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def make_think_checkpoint(path, *, seed: int = 0):
+    """A tiny llama whose tokenizer holds <think> and </think> as single, non-special tokens (the last two ids of
+    the model's vocabulary) and a template with Qwen3's enable_thinking switch; returns ``path``."""
+    from tokenizers import AddedToken
+
+    make_tiny_checkpoint(path, "llama", seed=seed, vocab_size=VOCAB_SIZE + 2)
+    tok = make_tokenizer(VOCAB_SIZE)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tok.chat_template = _THINK_TEMPLATE
+    assert len(tok) == VOCAB_SIZE + 2
+    tok.save_pretrained(path)
+    return path
+
