@@ -167,8 +167,9 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
     if not chunk.get("choices"):
         return ""
     c = chunk["choices"][0]
-    if chat:
-        return (c.get("delta") or {}).get("content") or ""
+    if chat:  # a reasoning model's first tokens arrive as reasoning (--reasoning-parser): they count as output
+        delta = c.get("delta") or {}
+        return (delta.get("content") or "") + (delta.get("reasoning") or delta.get("reasoning_content") or "")
     return c.get("text") or ""
 
 

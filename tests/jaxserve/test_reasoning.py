@@ -196,3 +196,11 @@ def test_the_gate_under_tensor_and_data_parallelism(llm, think_path):
         assert _gated(dp, prompts=2, n=1) == reference
     finally:
         dp.llm_engine.close()
+
+
+def test_bench_serve_counts_reasoning_as_output():
+    """`jaxserve bench serve` times a reasoning model's first token from its first reasoning delta."""
+    from jaxserve.bench.serve import _chunk_text
+
+    assert _chunk_text({"choices": [{"delta": {"reasoning": "hm", "content": None}}]}, chat=True) == "hm"
+    assert _chunk_text({"choices": [{"delta": {"content": "ok"}}]}, chat=True) == "ok"
