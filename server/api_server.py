@@ -24,6 +24,7 @@ from jaxserve.server.errors import EXCEPTION_HANDLERS, error_response
 from jaxserve.server.metrics import ServerMetrics, metrics_endpoint
 from jaxserve.server.openapi import openapi_endpoint
 from jaxserve.server.routes_chat import create_chat_completion
+from jaxserve.server.routes_responses import create_response, delete_response, retrieve_response
 from jaxserve.server.routes_completions import create_completion
 from jaxserve.server.routes_lora import (
     load_lora_adapter, register_lora_modules, runtime_lora_updating_from_env, unload_lora_adapter,
@@ -98,6 +99,9 @@ def build_app(
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

@@ -23,7 +23,7 @@ from jaxserve.server.protocol_responses import now_s, random_id
 from jaxserve.server.serving import collect_finals, get_state, parse_body
 
 _MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class EmbeddingRequest(_Request):

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse
 from jaxserve.server import embeddings as emb
 from jaxserve.server import protocol as rq
 from jaxserve.server import protocol_responses as rs
+from jaxserve.server import responses_protocol as rr
 from jaxserve.server.protocol_responses import server_version
 
 _JSON = "application/json"
@@ -21,6 +22,10 @@ _SSE = "text/event-stream"
 _ROUTES: list[tuple[str, str, str, Optional[type], Optional[type], bool]] = [
     ("/v1/completions", "post", "Create a completion", rq.CompletionRequest, rs.CompletionResponse, True),
     ("/v1/chat/completions", "post", "Create a chat completion", rq.ChatCompletionRequest, rs.ChatCompletionResponse, True),
+    ("/v1/responses", "post", "Create a response (OpenAI's Responses API; streamed as its events)",
+     rr.ResponsesRequest, None, False),
+    ("/v1/responses/{response_id}", "get", "A stored response", None, None, False),
+    ("/v1/responses/{response_id}", "delete", "Delete a stored response", None, None, False),
     ("/v1/embeddings", "post", "Create embeddings (embedding models only)", emb.EmbeddingRequest,
      emb.EmbeddingResponse, False),
     ("/v1/models", "get", "List the served models", None, rs.ModelList, False),

@@ -36,6 +36,7 @@ from jaxserve.server.serving import (
     ServerState, collect_finals, get_state, guard_stream, parse_body, stream_choices, usage,
 )
 from jaxserve.server.sse import SSEResponse, sse_event
+from jaxserve.server.reply_reader import ReplyReader
 from jaxserve.server.tool_calls import ToolCallStream, ToolPlan
 
 logger = logging.getLogger("jaxserve.server")
@@ -161,31 +162,23 @@ async def _stream(
     # OpenAI opens every choice with the role and empty content, before any token is ready.
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(body.n)])
 
-    calls: dict[int, ToolCallStream] = {}  # per choice, when the reply may hold tool calls
     reply_state = state.reasoning_state(prompt)
-    thoughts: dict[int, reasoning.ReasoningStream] = {}  # per choice, for a reasoning model
+    readers: dict[int, ReplyReader] = {}  # per choice: its reasoning, answer and tool calls
 
     def choice(_, d, __) -> ChatChunkChoice:
         lp = chat_logprobs(d.token_ids, d.logprobs, top_k) if body.logprobs and d.logprobs is not None else None
-        final = d.finish_reason is not None
-        thought, text = "", d.text
-        if reply_state is not None:
-            split = thoughts.setdefault(d.index, reasoning.ReasoningStream(state.reasoning, reply_state))
-            thought, text = split.feed(d.text, final)
-        delta, finish_reason = DeltaMessage(content=text if text or not thought else None), d.finish_reason
-        if tools.parser is not None:
-            stream = calls.setdefault(d.index, ToolCallStream(tools))
-            content, made = stream.feed(text, final=final)
-            delta = DeltaMessage(content=content if content or not (made or thought) else None, tool_calls=[
-                DeltaToolCall(index=i, id=call_id, type="function" if call_id else None,
-                              function=DeltaFunctionCall(name=c.name if call_id else None, arguments=c.arguments))
-                for i, call_id, c in made
-            ] or None)
-            finish_reason = tools.finish_reason(stream.called, d.finish_reason)
+        reader = readers.setdefault(d.index, ReplyReader(state.reasoning, reply_state, tools))
+        thought, content, made = reader.feed(d.text, final=d.finish_reason is not None)
+        delta = DeltaMessage(content=content if content or not (made or thought) else None, tool_calls=[
+            DeltaToolCall(index=i, id=call_id, type="function" if call_id else None,
+                          function=DeltaFunctionCall(name=c.name if call_id else None, arguments=c.arguments))
+            for i, call_id, c in made
+        ] or None)
         if thought:
             delta.reasoning = delta.reasoning_content = thought
         return ChatChunkChoice(
-            index=d.index, delta=delta, logprobs=lp, finish_reason=finish_reason, stop_reason=d.stop_reason,
+            index=d.index, delta=delta, logprobs=lp, finish_reason=tools.finish_reason(reader.called, d.finish_reason),
+            stop_reason=d.stop_reason,
         )  # fmt: skip
 
     async for event in stream_choices(streams, tracker, body, choice, chunk):

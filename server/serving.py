@@ -19,6 +19,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
 from jaxserve.server.errors import APIError, bad_request, error_body, from_validation_error, from_value_error
 from jaxserve.server.protocol_responses import UsageInfo, now_s
+from jaxserve.server.responses_output import ResponseStore
 from jaxserve.server.sse import DONE, cancel_on_disconnect
 
 logger = logging.getLogger("jaxserve.server")
@@ -54,6 +55,7 @@ class ServerState:
     next_lora_id: int = 1
     tool_call_parser: Optional[str] = None  # tool_choice="auto" reads calls in this format (None: refused)
     reasoning: Optional[ReasoningFormat] = None  # a reasoning model's format (--reasoning-parser): chat splits replies
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # /v1/responses kept for the next turn
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine, api_key: Optional[str] = None, **kw) -> "ServerState":

@@ -55,7 +55,7 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--base-url", "--base_url", dest="base_url", default="http://127.0.0.1:8000",
                    help="server root, without /v1 (default: http://127.0.0.1:8000)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--dataset-name", "--dataset_name", dest="dataset_name", choices=["random", "json"], default="random")
     p.add_argument("--dataset-path", "--dataset_path", dest="dataset_path", default=None,
@@ -160,10 +160,15 @@ def _payload(ns, model: str, p: BenchPrompt, max_tokens: int, stream: bool = Tru
         body["ignore_eos"] = True  # vLLM's and jaxserve's extra; other servers ignore it
     if ns.endpoint == "chat":
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": p.text}]}
+    if ns.endpoint == "responses":  # OpenAI's Responses API: its own names, no stream_options (usage comes last)
+        body = {k: v for k, v in body.items() if k not in ("max_tokens", "stream_options")}
+        return "/v1/responses", {**body, "max_output_tokens": max_tokens, "input": p.text, "store": False}
     return "/v1/completions", {**body, "prompt": p.text}
 
 
-def _chunk_text(chunk: dict, chat: bool) -> str:
+def _chunk_text(chunk: dict, chat) -> str:
+    if chat == "responses":  # an event: text (answer or reasoning) deltas count, the rest is bookkeeping
+        return chunk.get("delta") or "" if chunk.get("type", "").endswith(("output_text.delta", "reasoning_text.delta")) else ""
     if not chunk.get("choices"):
         return ""
     c = chunk["choices"][0]
@@ -176,7 +181,7 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
 async def send_one(client, ns, model: str, p: BenchPrompt) -> RequestResult:
     path, body = _payload(ns, model, p, p.output_len)
     res = RequestResult(prompt_len=p.prompt_len, start=time.perf_counter())
-    chat = ns.endpoint == "chat"
+    chat = "responses" if ns.endpoint == "responses" else ns.endpoint == "chat"
     last = res.start
     chunks = 0
     try:
@@ -198,6 +203,9 @@ async def send_one(client, ns, model: str, p: BenchPrompt) -> RequestResult:
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"].get("completion_tokens", 0)
                     res.prompt_len = chunk["usage"].get("prompt_tokens", res.prompt_len)
+                elif (chunk.get("response") or {}).get("usage"):  # the Responses API's last event
+                    res.output_tokens = chunk["response"]["usage"].get("output_tokens", 0)
+                    res.prompt_len = chunk["response"]["usage"].get("input_tokens", res.prompt_len)
                 if not _chunk_text(chunk, chat):
                     continue
                 if chunks == 0:
