@@ -64,6 +64,12 @@ def test_data_url_image_through_openai_client(server):
     assert resp.usage.prompt_tokens == len(prompt)
     want = hf_greedy(tiny_qwen2_vl(), prompt, [img], 5)
     assert resp.choices[0].message.content == httpx.post(server.url + "/detokenize", json={"tokens": want}).json()["prompt"]
+    # The Responses API's input_image part: the same image, the same reply.
+    again = client.responses.create(model="tiny-vl", max_output_tokens=5, temperature=0, extra_body={"ignore_eos": True},
+                                    input=[{"role": "user", "content": [
+                                        {"type": "input_text", "text": "what is"},
+                                        {"type": "input_image", "image_url": _data_url(img)}]}])
+    assert again.output_text == resp.choices[0].message.content and again.usage.input_tokens == len(prompt)
 
 
 def test_local_file_only_under_allowed_dir(server, media_dir, tmp_path):
