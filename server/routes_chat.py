@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 import jinja2
 from starlette.concurrency import run_in_threadpool
@@ -88,26 +88,33 @@ async def with_images(state: ServerState, body, prompt: list[int]) -> tuple[list
         raise APIError(400, f"messages: {e}", param="messages", code="invalid_image" if urls else None) from None
 
 
-async def create_chat_completion(request: Request) -> Response:
-    state = get_state(request)
-    body = await parse_body(request, ChatCompletionRequest)
-    model = state.resolve_model(body.model)
-    _check_unsupported(body)
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest, prompt_param: str, tokens_param: str,
+                       logprobs: Optional[int]) -> tuple[ToolPlan, list[int], Any, Any]:  # fmt: skip
+    """What a chat request submits: (its tool plan, the rendered prompt, its images or None, SamplingParams); a 400
+    naming the field (``prompt_param`` / ``tokens_param`` for a prompt too long to fit) when it cannot."""
     try:
         tools = ToolPlan.for_request(body, state.tool_call_parser)
     except ValueError as e:
         raise from_value_error(e) from None
     prompt, mm = await with_images(state, body, render_messages(state, body))
-    max_tokens = body.requested_max_tokens
-    tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    state.check_fits(len(prompt), max_tokens, "messages", tokens_param)
-    top_k = body.top_logprobs or 0
+    state.check_fits(len(prompt), body.requested_max_tokens, prompt_param, tokens_param)
     try:
-        params = body.sampling_params(max_tokens, top_k if body.logprobs else None)
+        params = body.sampling_params(body.requested_max_tokens, logprobs)
     except ValueError as e:
         raise from_value_error(e) from None
     if tools.keep_special_tokens:
         params.skip_special_tokens = False
+    return tools, prompt, mm, params
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = get_state(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    model = state.resolve_model(body.model)
+    _check_unsupported(body)
+    top_k = body.top_logprobs or 0
+    tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    tools, prompt, mm, params = await prepare_chat(state, body, "messages", tokens_param, top_k if body.logprobs else None)
     request_id = random_id("chatcmpl")
     streams = await state.submit(request_id, [prompt], params, model, mm=mm)
     if body.stream:

@@ -21,7 +21,7 @@ from jaxserve.server.protocol_responses import now_s
 from jaxserve.server.reply_reader import ReplyReader
 from jaxserve.server.responses_output import OutputWriter, new_id, response_body, response_usage
 from jaxserve.server.responses_protocol import ResponsesRequest
-from jaxserve.server.routes_chat import render_messages, with_images
+from jaxserve.server.routes_chat import prepare_chat
 from jaxserve.server.serving import ServerState, collect_finals, get_state, guard_stream, parse_body
 from jaxserve.server.sse import SSEResponse
 from jaxserve.server.tool_calls import ToolPlan
@@ -34,14 +34,9 @@ async def create_response(request: Request) -> Response:
     history = state.responses.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
     try:
         chat = body.as_chat(history)
-        tools = ToolPlan.for_request(chat, state.tool_call_parser)
-        prompt, mm = await with_images(state, chat, render_messages(state, chat))
-        state.check_fits(len(prompt), chat.requested_max_tokens, "input", "max_output_tokens")
-        params = chat.sampling_params(chat.requested_max_tokens, None)
     except ValueError as e:
         raise from_value_error(e) from None
-    if tools.keep_special_tokens:
-        params.skip_special_tokens = False
+    tools, prompt, mm, params = await prepare_chat(state, chat, "input", "max_output_tokens", None)
     response_id = new_id("resp")
     streams = await state.submit(response_id, [prompt], params, model, mm=mm)
     turn = _Turn(state, body, chat, model, response_id, prompt, tools)

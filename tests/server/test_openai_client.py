@@ -9,29 +9,19 @@ import re
 import openai
 import pytest
 
-from engine_fixtures import run_cache_dir
+from server_fixtures import openai_client, serve_tiny
 from tiny_models import make_tiny_checkpoint
 
-from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.config import EngineArgs
-from jaxserve.server.testing import ServerThread
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-    args = EngineArgs(
-        model=str(path), served_model_name="tiny", dtype="float32", max_model_len=128,
-        max_num_batched_tokens=64, max_num_seqs=32, block_size=8, compilation_cache_dir=run_cache_dir(),
-    )
-    engine = AsyncLLMEngine.from_engine_args(args, progress=False)
-    with ServerThread(engine, tool_call_parser="hermes") as srv:
-        yield srv
+    yield from serve_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def test_models_lists_the_served_name(client):

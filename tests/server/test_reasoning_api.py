@@ -12,12 +12,8 @@ import re
 import httpx
 import openai
 import pytest
-from engine_fixtures import run_cache_dir
-from tiny_models import make_think_checkpoint
+from server_fixtures import openai_client, serve_thinking
 
-from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.config import EngineArgs
-from jaxserve.server.testing import ServerThread
 
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]
 # llguidance takes added tokens written <...> as special tokens, which a Lark grammar names and a regex cannot.
@@ -30,20 +26,12 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_think_checkpoint(tmp_path_factory.mktemp("think") / "model")
-    args = EngineArgs(
-        model=str(path), served_model_name="tiny", dtype="float32", max_model_len=128, max_num_batched_tokens=64,
-        max_num_seqs=8, block_size=8, compilation_cache_dir=run_cache_dir(), reasoning_parser="qwen3",
-        structured_outputs_in_reasoning=True,
-    )
-    engine = AsyncLLMEngine.from_engine_args(args, progress=False)
-    with ServerThread(engine, tool_call_parser="hermes") as srv:
-        yield srv
+    yield from serve_thinking(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def _create(client, grammar, **kw):
