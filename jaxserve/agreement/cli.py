@@ -53,6 +53,8 @@ def _record(ns: argparse.Namespace) -> int:
     if not 1 <= ns.k <= MAX_LOGPROBS:
         raise ValueError(f"--k must be in [1, {MAX_LOGPROBS}], got {ns.k}")
     args = engine_args_from(ns)
+    if args.skip_tokenizer_init:  # said before the model loads, not after
+        raise ValueError(record.NEEDS_TOKENIZER)
     result = {"format": record.FORMAT, "k": ns.k, "max_tokens": ns.max_tokens}
     texts = PROMPTS[: ns.num_prompts]
     if ns.hf:

@@ -12,6 +12,9 @@ from typing import Any
 FORMAT = "jaxserve-agreement/1"
 
 
+NEEDS_TOKENIZER = "an agreement record needs the model's tokenizer (drop --skip-tokenizer-init): its prompts are text"
+
+
 def position(entry: dict, token: int, k: int) -> dict[str, Any]:
     """One position of a LogprobsDict ({token_id: Logprob}) as plain JSON: the scored token and the top k."""
     top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank)
@@ -24,8 +27,7 @@ def record(llm, *, k: int, max_tokens: int, prompts: tuple[str, ...]) -> dict[st
 
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:
-        raise ValueError("an agreement record needs the model's tokenizer (drop --skip-tokenizer-init): its "
-                         "prompts are text")  # fmt: skip
+        raise ValueError(NEEDS_TOKENIZER)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=k, prompt_logprobs=k)
     rows = []
     for text, out in zip(prompts, llm.generate(list(prompts), params, use_tqdm=False)):

@@ -87,6 +87,8 @@ def test_compare_cli_errors_name_the_file(tmp_path, capsys):
 def test_record_errors_before_loading(tmp_path, capsys):
     assert main(["agreement", "record", str(tmp_path / "x.json"), "--k", "0"]) == 2
     assert "--k must be in [1, 20], got 0" in capsys.readouterr().err
+    assert main(["agreement", "record", str(tmp_path / "x.json"), "--model", "/nonexistent", "--skip-tokenizer-init"]) == 2
+    assert "needs the model's tokenizer" in capsys.readouterr().err  # said before the (missing) model is looked for
 
 
 def test_float32_record_agrees_with_hf_record(tmp_path, capsys):
