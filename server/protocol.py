@@ -337,6 +337,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new turn
     chat_template: Optional[str] = None  # a Jinja template to use instead of the model's
     chat_template_kwargs: Optional[dict[str, Any]] = None  # more template variables, e.g. {"enable_thinking": false}
+    include_reasoning: bool = True  # with --reasoning-parser: False leaves the reasoning out of the reply
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

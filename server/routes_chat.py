@@ -139,7 +139,8 @@ async def create_chat_completion(request: Request) -> Response:
                 ToolCall(id=call_id, function=FunctionCall(name=c.name, arguments=c.arguments)) for call_id, c in made
             ] or None)
             finish_reason = tools.finish_reason(calls.called, d.finish_reason)
-        message.reasoning = message.reasoning_content = thought
+        if body.include_reasoning:
+            message.reasoning = message.reasoning_content = thought
         choices.append(
             ChatChoice(
                 index=d.index, message=message, logprobs=lp, finish_reason=finish_reason, stop_reason=d.stop_reason,
@@ -181,7 +182,7 @@ async def _stream(
                           function=DeltaFunctionCall(name=c.name if call_id else None, arguments=c.arguments))
             for i, call_id, c in made
         ] or None)
-        if thought:
+        if thought and body.include_reasoning:
             delta.reasoning = delta.reasoning_content = thought
         return ChatChunkChoice(
             index=d.index, delta=delta, logprobs=lp, finish_reason=tools.finish_reason(reader.called, d.finish_reason),

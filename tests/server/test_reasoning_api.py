@@ -56,6 +56,11 @@ def test_reasoning_apart_from_the_answer(client):
     chunks = list(_create(client, THOUGHT + "/[a-z]{3,6}/", stream=True))
     assert _joined(chunks) == (msg.reasoning, msg.content)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    # include_reasoning=false (vLLM's field) leaves the block out; the answer stays.
+    hidden = _create(client, THOUGHT + "/[a-z]{3,6}/", extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.reasoning is None and hidden.content == msg.content
+    assert _joined(_create(client, THOUGHT + "/[a-z]{3,6}/", stream=True, extra_body={"include_reasoning": False})) == \
+        ("", msg.content)
     # A reply cut while it reasons has no answer yet.
     cut = _create(client, '<think> /[a-z ]{30,40}/ </think> "x"', max_tokens=4).choices[0]
     assert cut.finish_reason == "length" and cut.message.content is None and cut.message.reasoning
