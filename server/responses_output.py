@@ -143,10 +143,10 @@ def response_body(
     }
 
 
-def response_usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
+def response_usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,

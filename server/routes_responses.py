@@ -45,6 +45,7 @@ async def create_response(request: Request) -> Response:
                                         engine=state.engine, streams=streams))
     finals = await collect_finals(request, state.engine, streams)
     (d,) = DeltaTracker(1, [len(prompt)]).update(0, finals[0])
+    turn.cached_tokens = finals[0].num_cached_tokens
     turn.feed(d.text, d.token_ids, final=True)
     return JSONResponse(turn.finish(d.finish_reason))
 
@@ -60,6 +61,7 @@ class _Turn:
         self.reader = ReplyReader(state.reasoning, self.reply_state, tools)
         self.writer = OutputWriter()
         self.token_ids: list[int] = []
+        self.cached_tokens = 0  # prompt tokens the prefix cache served
         self.created_at = now_s()
         self.sequence = 0
 
@@ -75,7 +77,7 @@ class _Turn:
         """Close the output; the Response object (stored when asked)."""
         incomplete = "max_output_tokens" if finish_reason == "length" else None
         self.writer.close("incomplete" if incomplete else "completed")
-        usage = response_usage(self.prompt_len, len(self.token_ids), self._reasoning_tokens())
+        usage = response_usage(self.prompt_len, len(self.token_ids), self._reasoning_tokens(), self.cached_tokens)
         response = response_body(
             response_id=self.id, model=self.model, body=self.body, items=self.writer.items,
             status="incomplete" if incomplete else "completed", usage=usage, incomplete=incomplete,
@@ -123,6 +125,7 @@ class _Turn:
         tracker = DeltaTracker(1, [self.prompt_len])
         finish_reason = None
         async for i, out in stream_outputs(streams):
+            self.cached_tokens = out.num_cached_tokens
             for d in tracker.update(i, out):
                 self.feed(d.text, d.token_ids, final=d.finish_reason is not None)
                 finish_reason = d.finish_reason or finish_reason

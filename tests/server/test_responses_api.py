@@ -65,6 +65,9 @@ def test_text_as_chat_writes_it(server, client):
     body = _post(server, instructions="Be brief.", input=[{"role": "user", "content": [
         {"type": "input_text", "text": "Name a fruit."}]}], max_output_tokens=12)
     assert body["output"][0]["content"][0]["text"] == resp.output_text and body["instructions"] == "Be brief."
+    # The same prompt a third time: its whole blocks (8 tokens each) come from the prefix cache.
+    assert body["usage"]["input_tokens_details"]["cached_tokens"] == resp.usage.input_tokens // 8 * 8 or \
+        body["usage"]["input_tokens_details"]["cached_tokens"] == (resp.usage.input_tokens - 1) // 8 * 8
 
 
 def test_stream_events_build_the_same_response(server):
