@@ -57,8 +57,11 @@ def test_model_field_selects_the_adapter(setup, client):
     expected = tok.decode(peft_greedy(base, sql, PROMPT_IDS, 6))
     assert _complete(client, "sql") == expected
     assert _complete(client, "tiny") != expected
-    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "Hello"}], max_tokens=3)
+    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "Hello"}], max_tokens=3,
+                                          temperature=0)
     assert chat.model == "sql" and chat.usage.completion_tokens <= 3
+    resp = client.responses.create(model="sql", input="Hello", max_output_tokens=3, temperature=0)  # the same turn
+    assert resp.model == "sql" and resp.output_text == chat.choices[0].message.content
 
 
 def test_unknown_model_is_404_with_openai_error(client):

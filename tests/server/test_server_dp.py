@@ -64,18 +64,26 @@ def test_concurrent_completions_and_streamed_chat_complete_on_both_replicas(serv
                 finish = chunk.choices[0].finish_reason or finish
         return finish, text
 
+    async def response(aclient):  # the Responses API, streamed: the same turn as the chat's
+        events = await aclient.responses.create(
+            model="tiny", input="Hello there", max_output_tokens=8, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return [e async for e in events][-1].response
+
     async def run_all():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         try:
-            return await asyncio.gather(chat(aclient), *(completion(aclient, i) for i in range(6)))
+            return await asyncio.gather(chat(aclient), response(aclient), *(completion(aclient, i) for i in range(6)))
         finally:
             await aclient.close()
 
-    (finish, text), *completions = asyncio.run(run_all())
+    (finish, text), resp, *completions = asyncio.run(run_all())
     assert finish == "length" and text
+    assert resp.status == "incomplete" and resp.output_text == text
     assert completions == [("length", 6)] * 6
     wait_idle(http)
-    # The least-loaded router spread the 7 concurrent requests: both replicas generated tokens.
+    # The least-loaded router spread the 8 concurrent requests: both replicas generated tokens.
     generated = [r.get_stats().num_generation_tokens for r in server.engine.engine.replicas]
     assert all(n > 0 for n in generated), generated
 
