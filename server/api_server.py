@@ -50,6 +50,7 @@ class ServerOptions:
     lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules name=path: adapters served under their names
     allow_runtime_lora_updating: Optional[bool] = None  # None: $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING
     tool_call_parser: Optional[str] = None  # --enable-auto-tool-choice: how tool_choice="auto" reads calls
+    default_chat_template_kwargs: Optional[dict] = None  # template variables every chat request gets
 
 
 class APIKeyMiddleware:
@@ -78,6 +79,7 @@ def build_app(
     lora_modules: Optional[list[tuple[str, str]]] = None,
     allow_runtime_lora_updating: Optional[bool] = None,
     tool_call_parser: Optional[str] = None,
+    default_chat_template_kwargs: Optional[dict] = None,
 ) -> Starlette:
     """The ASGI app over an engine. The lifespan starts the engine thread and stops it on shutdown.
     ``lora_modules``: (name, path) adapters served under their names; ``allow_runtime_lora_updating``: the
@@ -89,7 +91,7 @@ def build_app(
         raise ValueError(f"--tool-call-parser={tool_call_parser} is invalid: choose one of {', '.join(TOOL_CALL_PARSERS)}")
     state = ServerState.for_engine(
         engine, api_key=api_key, allow_runtime_lora_updating=allow_runtime_lora_updating,
-        tool_call_parser=tool_call_parser,
+        tool_call_parser=tool_call_parser, default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
     )
     register_lora_modules(state, lora_modules or [])
     metrics = ServerMetrics(state.model_name)
@@ -180,6 +182,7 @@ def serve(engine_args: EngineArgs, options: ServerOptions) -> None:
     app = build_app(
         engine, api_key=options.api_key, lora_modules=list(options.lora_modules),
         allow_runtime_lora_updating=options.allow_runtime_lora_updating, tool_call_parser=options.tool_call_parser,
+        default_chat_template_kwargs=options.default_chat_template_kwargs,
     )
     server = _Server(uvicorn_config(app, options))
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host

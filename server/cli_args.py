@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+from typing import Optional
 
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -65,8 +67,29 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
         help="the format the model writes calls in: hermes (<tool_call>{json}</tool_call>: Qwen2/2.5/3, Hermes) or "
         "llama3_json (Llama 3.1+ JSON calls)",
     )
+    g.add_argument(
+        "--default-chat-template-kwargs", "--default_chat_template_kwargs", dest="default_chat_template_kwargs",
+        default=None, metavar="JSON",
+        help='template variables for every chat request, as a JSON object (e.g. \'{"enable_thinking": false}\'); a '
+        "request's chat_template_kwargs override them name by name",
+    )
     p.set_defaults(func=_cmd_serve)
     return p
+
+
+def parse_template_kwargs(text: Optional[str]) -> dict:
+    """--default-chat-template-kwargs: a JSON object, or a ValueError that shows one."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--default-chat-template-kwargs={text!r} is not valid JSON ({e}); pass an object such as "
+                         '\'{"enable_thinking": false}\'') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--default-chat-template-kwargs={text!r} is invalid: it must be a JSON object, such as "
+                         '\'{"enable_thinking": false}\'')
+    return value
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
@@ -95,6 +118,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         lora_modules=tuple(parse_lora_modules(ns.lora_modules)),
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
         tool_call_parser=ns.tool_call_parser,
+        default_chat_template_kwargs=parse_template_kwargs(ns.default_chat_template_kwargs),
     )
     args = engine_args_from(ns)
     if options.lora_modules and not args.enable_lora:

@@ -56,7 +56,8 @@ def render_messages(state: ServerState, body) -> list[int]:
     conversation = [m.as_template_dict() for m in body.messages]
     try:
         return render_chat(tokenizer, conversation, body.chat_template, body.add_generation_prompt,
-                           body.continue_final_message, template_tools(body.tools), body.chat_template_kwargs)
+                           body.continue_final_message, template_tools(body.tools),
+                           {**state.default_chat_template_kwargs, **(body.chat_template_kwargs or {})})
     except ValueError as e:
         if str(e).startswith("chat_template_kwargs"):
             raise bad_request(str(e), param="chat_template_kwargs") from None

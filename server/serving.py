@@ -55,6 +55,7 @@ class ServerState:
     next_lora_id: int = 1
     tool_call_parser: Optional[str] = None  # tool_choice="auto" reads calls in this format (None: refused)
     reasoning: Optional[ReasoningFormat] = None  # a reasoning model's format (--reasoning-parser): chat splits replies
+    default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # under each request's own
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # /v1/responses kept for the next turn
 
     @classmethod

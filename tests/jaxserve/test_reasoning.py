@@ -204,3 +204,25 @@ def test_bench_serve_counts_reasoning_as_output():
 
     assert _chunk_text({"choices": [{"delta": {"reasoning": "hm", "content": None}}]}, chat=True) == "hm"
     assert _chunk_text({"choices": [{"delta": {"content": "ok"}}]}, chat=True) == "ok"
+
+
+def test_server_default_chat_template_kwargs(think_path):
+    """--default-chat-template-kwargs: every chat request renders with them; a request's own override them."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from jaxserve.server.cli_args import parse_template_kwargs
+    from jaxserve.server.protocol import ChatCompletionRequest
+    from jaxserve.server.routes_chat import render_messages
+
+    tok = AutoTokenizer.from_pretrained(think_path)
+    state = SimpleNamespace(need_tokenizer=lambda what: tok,
+                            default_chat_template_kwargs=parse_template_kwargs('{"enable_thinking": false}'))
+    assert END_ID in render_messages(state, ChatCompletionRequest(messages=MESSAGES))
+    asked = ChatCompletionRequest(messages=MESSAGES, chat_template_kwargs={"enable_thinking": True})
+    assert END_ID not in render_messages(state, asked)
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        parse_template_kwargs("[1]")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        parse_template_kwargs("{enable_thinking: false}")
