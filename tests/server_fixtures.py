@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import openai
+import pytest
 from engine_fixtures import run_cache_dir
 
 from jaxserve.async_engine import AsyncLLMEngine
@@ -35,3 +36,14 @@ def serve_thinking(tmp_path_factory) -> Iterator[ServerThread]:
 
 def openai_client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+# Module fixtures "server" and "client" over serve_thinking: a test module imports both to use them.
+@pytest.fixture(scope="module", name="server")
+def thinking_server(tmp_path_factory):
+    yield from serve_thinking(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", name="client")
+def thinking_client(server):
+    return openai_client(server)

@@ -12,7 +12,7 @@ import re
 import httpx
 import openai
 import pytest
-from server_fixtures import openai_client, serve_thinking
+from server_fixtures import thinking_client, thinking_server  # noqa: F401 (the fixtures server, client)
 
 
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]
@@ -22,16 +22,6 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from serve_thinking(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def _create(client, grammar, **kw):

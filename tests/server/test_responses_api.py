@@ -12,7 +12,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_fixtures import openai_client, serve_thinking
+from server_fixtures import thinking_client, thinking_server  # noqa: F401 (the fixtures server, client)
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -22,16 +22,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 THOUGHT = "<think> /[a-z ]{4,12}/ </think> "
 CALL = r'/<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,5}"\}\}<\/tool_call>/'
 EVENTS = TypeAdapter(ResponseStreamEvent)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from serve_thinking(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def _post(server, **body) -> dict:
