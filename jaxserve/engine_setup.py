@@ -52,6 +52,7 @@ class EngineComponents:
     mesh: Any = None  # this engine's (1, tp) device mesh
     speculator: Any = None  # jaxserve.spec_decode.speculator.Speculator when speculative_config is set
     mm_processor: Any = None  # jaxserve.multimodal.MultiModalProcessor for a vision-language model
+    reasoning: Any = None  # (format, <think> id, </think> id) under reasoning_parser (jaxserve.reasoning)
 
 
 def enable_compilation_cache(cache_dir: Optional[str]) -> Optional[str]:
@@ -129,7 +130,7 @@ def build_engine_components(
     load_s = time.perf_counter() - t0
     tokenizer = None if args.skip_tokenizer_init else _tokenizer_or_none(path, fmt, args.tokenizer)
     tokenizer_s = time.perf_counter() - t0 - load_s
-    reasoning.reasoning_tags(args.reasoning_parser, tokenizer)  # a tokenizer without the tags fails before compiling
+    tags = reasoning.reasoning_tags(args.reasoning_parser, tokenizer)  # a tokenizer without them fails before compiling
 
     model_max = text_config.max_position_embeddings
     max_model_len = args.max_model_len or model_max
@@ -199,7 +200,7 @@ def build_engine_components(
     return EngineComponents(
         args, model_config, cache_config, scheduler_config, runner_config, text_config, tokenizer,
         tuple(sorted(eos)), runner, scheduler, ParallelConfig(tp, args.data_parallel_size), mesh, speculator,
-        mm_processor,
+        mm_processor, tags,
     )
 
 

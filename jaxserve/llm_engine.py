@@ -77,7 +77,7 @@ class LLMEngine:
         self.eos_token_ids = c.eos_token_ids
         self._grammar_compiler = None  # structured outputs' (jaxserve.structured_output), made on first use
         # A reasoning model's format and its tags' ids (jaxserve.reasoning): structured outputs wait for </think>.
-        self.reasoning = reasoning.reasoning_tags(self.args.reasoning_parser, self.tokenizer)
+        self.reasoning = c.reasoning
         self.output_processor = OutputProcessor(self.tokenizer)
         # While a step computes on an accelerator, the host detokenizes what deferred requests have so far
         # (OutputProcessor.catch_up_deferred). Not on CPU, where the host's Python and XLA's step share the cores.

@@ -8,9 +8,9 @@ Two formats, both with the tags ``<think>`` and ``</think>`` as single tokens of
 
 Where a reply starts is decided by the prompt's end (``prompt_state``): a prompt that ends in ``</think>`` (Qwen3's
 template with ``enable_thinking=False`` closes an empty block) leaves nothing to reason, one that ends in ``<think>``
-is reasoning already, and any other leaves it to the format. ``split`` is a pure function of the reply so far, so a
-stream (``ReasoningStream``) and a whole reply cut the text at the same place. The engine uses the same states to
-hold a request's structured output back until its reasoning is over (structured_output.ReasoningGate).
+is reasoning already, and any other leaves it to the format. ``ReasoningStream`` cuts a reply fed as deltas, and
+``split`` a whole reply by feeding it at once, so both cut the text at the same place. The engine uses the same
+states to hold a request's structured output back until its reasoning is over (structured_output.ReasoningGate).
 """
 
 from __future__ import annotations
@@ -109,34 +109,26 @@ class Split:
 
 
 def split(fmt: ReasoningFormat, state: str, text: str, final: bool) -> Split:
-    """Cut a reply (so far) into reasoning and answer, starting in ``state``. Unless ``final``, a tag's possible
-    beginning at the end is held back, and so is a reply too short to tell whether it opens with <think>."""
-    if state == ANSWERING:
-        return Split(None, text)
-    body = 0
-    if text.startswith(fmt.start):
-        body = len(fmt.start)  # (a reply may repeat the <think> its prompt opened: it is not reasoning text)
-    elif not final and fmt.start.startswith(text):
-        return Split(None, "")  # "" or "<thi": it may yet open with <think>
-    elif state == UNDECIDED:
-        return Split(None, text)  # it answered at once
-    end = text.find(fmt.end, body)
-    if end >= 0:
-        return Split(text[body:end], text[end + len(fmt.end) :])
-    keep = 0 if final else _partial_suffix(text, fmt.end)
-    return Split(text[body : len(text) - keep], "")
+    """Cut a reply (so far) into reasoning and answer, starting in ``state``: the whole text fed to a stream at once.
+    Unless ``final``, a tag's possible beginning at the end is held back, and so is a reply too short to tell whether
+    it opens with <think>."""
+    stream = ReasoningStream(fmt, state)
+    reasoning, content = stream.feed(text, final)
+    return Split(reasoning if stream.reasoned else None, content)
 
 
 class ReasoningStream:
-    """One choice's reply fed as deltas: each ``feed`` returns the reasoning and the answer text that are new, so
-    the joined deltas equal ``split`` of the whole reply. It keeps only the text not yet sent (at most a tag's
-    length once the reply's opening is known), so a delta costs its own length, however long the reasoning."""
+    """One choice's reply fed as deltas: each ``feed`` returns the reasoning and the answer text that are new. It keeps
+    only the text not yet sent (at most a tag's length once the reply's opening is known), so a delta costs its own
+    length, however long the reasoning; the text up to ``</think>`` is reasoning (a leading ``<think>`` dropped), the
+    rest the answer."""
 
     def __init__(self, fmt: ReasoningFormat, state: str) -> None:
         self.fmt = fmt
         self.phase = "answer" if state == ANSWERING else "opening"
         self.state = state
         self.pending = ""  # received, not yet sent
+        self.reasoned = False  # the reply has a reasoning block (possibly empty)
 
     def feed(self, delta: str, final: bool) -> tuple[str, str]:
         if self.phase == "answer":
@@ -145,13 +137,13 @@ class ReasoningStream:
         if self.phase == "opening":  # does the reply begin with <think>?
             start = self.fmt.start
             if self.pending.startswith(start):
-                self.pending = self.pending[len(start) :]
+                self.pending = self.pending[len(start) :]  # (a reply may repeat the <think> its prompt opened)
             elif not final and start.startswith(self.pending):
-                return "", ""
-            elif self.state == UNDECIDED:
+                return "", ""  # "" or "<thi": it may yet open with <think>
+            elif self.state == UNDECIDED:  # it answered at once
                 self.phase, text, self.pending = "answer", self.pending, ""
                 return "", text
-            self.phase = "reasoning"
+            self.phase, self.reasoned = "reasoning", True
         end = self.pending.find(self.fmt.end)
         if end >= 0:
             reasoning, answer = self.pending[:end], self.pending[end + len(self.fmt.end) :]

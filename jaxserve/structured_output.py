@@ -23,6 +23,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from jaxserve import reasoning
+
 logger = logging.getLogger("jaxserve")
 
 # The kinds of constraint, in the order their fields are listed; a request sets exactly one.
@@ -128,16 +130,16 @@ class ReasoningGate:
 
     @property
     def thinking(self) -> bool:
-        return self.state == "thinking"
+        return self.state == reasoning.THINKING
 
     def take(self, token: int) -> bool:
         """Advance past a sampled token; True when the matcher must take it (the answer's tokens)."""
-        if self.state == "undecided":
-            self.state = "thinking" if token == self.start_id else "answering"
-        elif self.state == "thinking" and token == self.end_id:
-            self.state = "answering"
+        if self.state == reasoning.UNDECIDED:
+            self.state = reasoning.THINKING if token == self.start_id else reasoning.ANSWERING
+        elif self.state == reasoning.THINKING and token == self.end_id:
+            self.state = reasoning.ANSWERING
             return False
-        return self.state == "answering"
+        return self.state == reasoning.ANSWERING
 
     def copy(self) -> "ReasoningGate":
         return ReasoningGate(self.state, self.start_id, self.end_id)
@@ -175,7 +177,7 @@ class Grammar:
 
     def open_reasoning(self, mask: np.ndarray, row: int) -> None:
         """A reply that may still open with <think>: allow it beside the grammar's tokens."""
-        if self.gate is not None and self.gate.state == "undecided":
+        if self.gate is not None and self.gate.state == reasoning.UNDECIDED:
             t = self.gate.start_id
             mask[row, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
 

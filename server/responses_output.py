@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol_responses import now_s
+from jaxserve.server.responses_protocol import tool_choice_json, tools_json
 
 
 def new_id(prefix: str) -> str:
@@ -115,8 +116,6 @@ def response_body(
     incomplete: Optional[str] = None, created_at: Optional[int] = None,
 ) -> dict[str, Any]:
     """The Response object: the request's settings echoed beside the output."""
-    from jaxserve.server.responses_protocol import tool_choice_json, tools_json
-
     text_format = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {"type": "text"}
     return {
         "id": response_id,

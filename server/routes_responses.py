@@ -92,9 +92,7 @@ class _Turn:
         """Output tokens up to and including </think> (all of them if the reply never closed its block)."""
         if not any(item["type"] == "reasoning" for item in self.writer.items):
             return 0
-        from jaxserve.reasoning import tag_token_ids
-
-        end_id = tag_token_ids(self.state.reasoning, self.state.tokenizer)[1]
+        end_id = self.state.reasoning_end_id
         return self.token_ids.index(end_id) + 1 if end_id in self.token_ids else len(self.token_ids)
 
     def _reply_message(self) -> ChatMessage:

@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from jaxserve.lora.request import LoRARequest
-from jaxserve.reasoning import ReasoningFormat, prompt_state_of_ids, reasoning_format
+from jaxserve.reasoning import ReasoningFormat, prompt_state_of_ids, reasoning_tags
 from jaxserve.sampling_params import SamplingParams
 
 from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
@@ -25,10 +25,6 @@ from jaxserve.server.sse import DONE, cancel_on_disconnect
 logger = logging.getLogger("jaxserve.server")
 
 M = TypeVar("M", bound=pydantic.BaseModel)
-
-
-def _reasoning_format(name: Optional[str]) -> Optional[ReasoningFormat]:
-    return None if name is None else reasoning_format(name)
 
 
 @dataclasses.dataclass
@@ -55,6 +51,7 @@ class ServerState:
     next_lora_id: int = 1
     tool_call_parser: Optional[str] = None  # tool_choice="auto" reads calls in this format (None: refused)
     reasoning: Optional[ReasoningFormat] = None  # a reasoning model's format (--reasoning-parser): chat splits replies
+    reasoning_end_id: Optional[int] = None  # its </think> token
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # under each request's own
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # /v1/responses kept for the next turn
 
@@ -63,6 +60,7 @@ class ServerState:
         core = engine.engine
         names = [core.model_config.served_model_name]
         tokenizer = copy.deepcopy(core.tokenizer) if core.tokenizer is not None else None
+        tags = reasoning_tags(getattr(getattr(core, "args", None), "reasoning_parser", None), tokenizer)
         return cls(
             engine=engine,
             tokenizer=tokenizer,
@@ -72,7 +70,8 @@ class ServerState:
             api_key=api_key,
             mm_processor=getattr(core, "mm_processor", None),
             allowed_local_media_path=getattr(getattr(core, "args", None), "allowed_local_media_path", None),
-            reasoning=_reasoning_format(getattr(getattr(core, "args", None), "reasoning_parser", None)),
+            reasoning=tags[0] if tags else None,
+            reasoning_end_id=tags[2] if tags else None,
             **kw,
         )
 

@@ -166,13 +166,13 @@ def _payload(ns, model: str, p: BenchPrompt, max_tokens: int, stream: bool = Tru
     return "/v1/completions", {**body, "prompt": p.text}
 
 
-def _chunk_text(chunk: dict, chat) -> str:
-    if chat == "responses":  # an event: text (answer or reasoning) deltas count, the rest is bookkeeping
+def _chunk_text(chunk: dict, endpoint: str) -> str:
+    if endpoint == "responses":  # an event: text (answer or reasoning) deltas count, the rest is bookkeeping
         return chunk.get("delta") or "" if chunk.get("type", "").endswith(("output_text.delta", "reasoning_text.delta")) else ""
     if not chunk.get("choices"):
         return ""
     c = chunk["choices"][0]
-    if chat:  # a reasoning model's first tokens arrive as reasoning (--reasoning-parser): they count as output
+    if endpoint == "chat":  # a reasoning model's first tokens arrive as reasoning (--reasoning-parser): they count
         delta = c.get("delta") or {}
         return (delta.get("content") or "") + (delta.get("reasoning") or delta.get("reasoning_content") or "")
     return c.get("text") or ""
@@ -181,7 +181,6 @@ def _chunk_text(chunk: dict, chat) -> str:
 async def send_one(client, ns, model: str, p: BenchPrompt) -> RequestResult:
     path, body = _payload(ns, model, p, p.output_len)
     res = RequestResult(prompt_len=p.prompt_len, start=time.perf_counter())
-    chat = "responses" if ns.endpoint == "responses" else ns.endpoint == "chat"
     last = res.start
     chunks = 0
     try:
@@ -206,7 +205,7 @@ async def send_one(client, ns, model: str, p: BenchPrompt) -> RequestResult:
                 elif (chunk.get("response") or {}).get("usage"):  # the Responses API's last event
                     res.output_tokens = chunk["response"]["usage"].get("output_tokens", 0)
                     res.prompt_len = chunk["response"]["usage"].get("input_tokens", res.prompt_len)
-                if not _chunk_text(chunk, chat):
+                if not _chunk_text(chunk, ns.endpoint):
                     continue
                 if chunks == 0:
                     res.ttft = now - res.start

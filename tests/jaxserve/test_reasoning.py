@@ -202,8 +202,8 @@ def test_bench_serve_counts_reasoning_as_output():
     """`jaxserve bench serve` times a reasoning model's first token from its first reasoning delta."""
     from jaxserve.bench.serve import _chunk_text
 
-    assert _chunk_text({"choices": [{"delta": {"reasoning": "hm", "content": None}}]}, chat=True) == "hm"
-    assert _chunk_text({"choices": [{"delta": {"content": "ok"}}]}, chat=True) == "ok"
+    assert _chunk_text({"choices": [{"delta": {"reasoning": "hm", "content": None}}]}, "chat") == "hm"
+    assert _chunk_text({"choices": [{"delta": {"content": "ok"}}]}, "chat") == "ok"
 
 
 def test_server_default_chat_template_kwargs(think_path):
