@@ -51,6 +51,7 @@ class ServerOptions:
     allow_runtime_lora_updating: Optional[bool] = None  # None: $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING
     tool_call_parser: Optional[str] = None  # --enable-auto-tool-choice: how tool_choice="auto" reads calls
     default_chat_template_kwargs: Optional[dict] = None  # template variables every chat request gets
+    enable_prompt_tokens_details: bool = False  # usage reports prompt_tokens_details.cached_tokens
 
 
 class APIKeyMiddleware:
@@ -80,11 +81,13 @@ def build_app(
     allow_runtime_lora_updating: Optional[bool] = None,
     tool_call_parser: Optional[str] = None,
     default_chat_template_kwargs: Optional[dict] = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> Starlette:
     """The ASGI app over an engine. The lifespan starts the engine thread and stops it on shutdown.
     ``lora_modules``: (name, path) adapters served under their names; ``allow_runtime_lora_updating``: the
     load/unload routes (None: from $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING); ``tool_call_parser``: the format
-    tool_choice="auto" reads calls in (None: "auto" is refused)."""
+    tool_choice="auto" reads calls in (None: "auto" is refused); ``enable_prompt_tokens_details``: usage reports the
+    prompt's cached tokens."""
     if allow_runtime_lora_updating is None:
         allow_runtime_lora_updating = runtime_lora_updating_from_env()
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
@@ -92,6 +95,7 @@ def build_app(
     state = ServerState.for_engine(
         engine, api_key=api_key, allow_runtime_lora_updating=allow_runtime_lora_updating,
         tool_call_parser=tool_call_parser, default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
     register_lora_modules(state, lora_modules or [])
     metrics = ServerMetrics(state.model_name)
@@ -183,6 +187,7 @@ def serve(engine_args: EngineArgs, options: ServerOptions) -> None:
         engine, api_key=options.api_key, lora_modules=list(options.lora_modules),
         allow_runtime_lora_updating=options.allow_runtime_lora_updating, tool_call_parser=options.tool_call_parser,
         default_chat_template_kwargs=options.default_chat_template_kwargs,
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
     )
     server = _Server(uvicorn_config(app, options))
     shown_host = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host

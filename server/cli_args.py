@@ -73,6 +73,12 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
         help='template variables for every chat request, as a JSON object (e.g. \'{"enable_thinking": false}\'); a '
         "request's chat_template_kwargs override them name by name",
     )
+    g.add_argument(
+        "--enable-prompt-tokens-details", "--enable_prompt_tokens_details", dest="enable_prompt_tokens_details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix cache) on "
+        "completions and chat; the Responses API always reports them",
+    )
     p.set_defaults(func=_cmd_serve)
     return p
 
@@ -119,6 +125,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
         tool_call_parser=ns.tool_call_parser,
         default_chat_template_kwargs=parse_template_kwargs(ns.default_chat_template_kwargs),
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
     )
     args = engine_args_from(ns)
     if options.lora_modules and not args.enable_lora:

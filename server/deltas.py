@@ -43,14 +43,17 @@ class _Sent:
 class DeltaTracker:
     """Remembers, per choice, how much has been sent, and counts tokens for usage."""
 
-    def __init__(self, n: int, prompt_lens: list[int]) -> None:
+    def __init__(self, n: int, prompt_lens: list[int], *, prompt_details: bool = False) -> None:
         self.n = n
         self.prompt_lens = prompt_lens
+        self.prompt_details = prompt_details  # usage reports the prompt's cached tokens (--enable-prompt-tokens-details)
         self._sent: dict[int, _Sent] = {}
+        self._cached: dict[int, int] = {}  # prompt index -> its tokens served from the prefix cache
         self.completion_tokens = 0
         self.counts_completion = True  # False: the tokens are not returned (completions' echo with max_tokens=0)
 
     def update(self, prompt_index: int, out: RequestOutput) -> list[Delta]:
+        self._cached[prompt_index] = out.num_cached_tokens
         deltas = []
         for comp in out.outputs:
             d = self._delta(prompt_index * self.n + comp.index, comp)
@@ -83,6 +86,11 @@ class DeltaTracker:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(self.prompt_lens)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, over the prompts seen so far (once per prompt, whatever n)."""
+        return sum(self._cached.values())
 
 
 async def stream_outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

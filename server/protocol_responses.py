@@ -28,10 +28,15 @@ def server_version() -> str:
         return __version__
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None  # under --enable-prompt-tokens-details
 
 
 class ErrorInfo(BaseModel):

@@ -122,7 +122,7 @@ async def create_chat_completion(request: Request) -> Response:
         events = _stream(state, body, model, request_id, streams, prompt, top_k, tools)
         return SSEResponse(guard_stream(events, what="chat", request_id=request_id, engine=state.engine, streams=streams))
     finals = await collect_finals(request, state.engine, streams)
-    tracker = DeltaTracker(body.n, [len(prompt)])
+    tracker = DeltaTracker(body.n, [len(prompt)], prompt_details=state.enable_prompt_tokens_details)
     reply_state = state.reasoning_state(prompt)
     choices = []
     for d in tracker.update(0, finals[0]):
@@ -150,7 +150,7 @@ async def create_chat_completion(request: Request) -> Response:
     choices.sort(key=lambda c: c.index)
     resp = ChatCompletionResponse(
         id=request_id, created=now_s(), model=model, choices=choices,
-        usage=usage(tracker.prompt_lens, tracker.completion_tokens),
+        usage=usage(tracker),
         prompt_logprobs=prompt_logprobs_json(finals[0].prompt_logprobs, body.prompt_logprobs or 0),
     )
     return JSONResponse(resp.model_dump())
@@ -161,7 +161,7 @@ async def _stream(
     top_k: int, tools: ToolPlan,
 ) -> AsyncIterator[bytes]:
     created = now_s()
-    tracker = DeltaTracker(body.n, [len(prompt)])
+    tracker = DeltaTracker(body.n, [len(prompt)], prompt_details=state.enable_prompt_tokens_details)
 
     def chunk(choices, with_usage=None) -> bytes:
         return sse_event(

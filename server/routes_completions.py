@@ -78,7 +78,7 @@ async def create_completion(request: Request) -> Response:
             decode = functools.partial(decode_token, tokenizer)
     request_id = random_id("cmpl")
     streams = await state.submit(request_id, prompts, params, model)
-    shape = _Shape(body, echo, prompts, decode)
+    shape = _Shape(body, echo, prompts, decode, prompt_details=state.enable_prompt_tokens_details)
     if body.stream:
         events = _stream(state, body, model, request_id, streams, shape)
         return SSEResponse(
@@ -94,7 +94,7 @@ async def create_completion(request: Request) -> Response:
     choices.sort(key=lambda c: c.index)
     resp = CompletionResponse(
         id=request_id, created=now_s(), model=model, choices=choices,
-        usage=usage(tracker.prompt_lens, tracker.completion_tokens),
+        usage=usage(tracker),
     )
     return JSONResponse(resp.model_dump())
 
@@ -103,15 +103,17 @@ class _Shape:
     """How a completion's choices look: echo (the prompt before the text, and with logprobs its tokens' logprobs
     before the output's), max_tokens=0 (the prompt alone), vLLM's prompt_logprobs field."""
 
-    def __init__(self, body: CompletionRequest, echo: list[str], prompts: list[list[int]], decode) -> None:
+    def __init__(self, body: CompletionRequest, echo: list[str], prompts: list[list[int]], decode, *,
+                 prompt_details: bool = False) -> None:  # fmt: skip
         self.body = body
+        self.prompt_details = prompt_details
         self.echo = echo
         self.prompts = prompts
         self.decode = decode
         self.prompt_only = body.max_tokens == 0
 
     def tracker(self) -> DeltaTracker:
-        tracker = DeltaTracker(self.body.n, [len(p) for p in self.prompts])
+        tracker = DeltaTracker(self.body.n, [len(p) for p in self.prompts], prompt_details=self.prompt_details)
         tracker.counts_completion = not self.prompt_only  # the one token sampled is not returned
         return tracker
 

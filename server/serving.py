@@ -18,7 +18,7 @@ from jaxserve.sampling_params import SamplingParams
 
 from jaxserve.server.deltas import Delta, DeltaTracker, final_outputs, stream_outputs
 from jaxserve.server.errors import APIError, bad_request, error_body, from_validation_error, from_value_error
-from jaxserve.server.protocol_responses import UsageInfo, now_s
+from jaxserve.server.protocol_responses import PromptTokensDetails, UsageInfo, now_s
 from jaxserve.server.responses_output import ResponseStore
 from jaxserve.server.sse import DONE, cancel_on_disconnect
 
@@ -53,6 +53,7 @@ class ServerState:
     reasoning: Optional[ReasoningFormat] = None  # a reasoning model's format (--reasoning-parser): chat splits replies
     reasoning_end_id: Optional[int] = None  # its </think> token
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # under each request's own
+    enable_prompt_tokens_details: bool = False  # usage carries prompt_tokens_details.cached_tokens
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # /v1/responses kept for the next turn
 
     @classmethod
@@ -164,9 +165,12 @@ def engine_error(e: BaseException) -> BaseException:
     return e
 
 
-def usage(prompt_lens: list[int], completion_tokens: int) -> UsageInfo:
-    prompt = sum(prompt_lens)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+def usage(tracker: DeltaTracker) -> UsageInfo:
+    """A response's usage so far; with the tracker's ``prompt_details``, the prompt's cached tokens too."""
+    prompt, completion = tracker.num_prompt_tokens, tracker.completion_tokens
+    details = PromptTokensDetails(cached_tokens=tracker.cached_tokens) if tracker.prompt_details else None
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=details)
 
 
 async def stream_choices(
@@ -181,10 +185,10 @@ async def stream_choices(
     async for i, out in stream_outputs(streams):
         choices = [make_choice(i, d, out) for d in tracker.update(i, out)]
         if choices:
-            running = usage(tracker.prompt_lens, tracker.completion_tokens) if body.continuous_usage else None
+            running = usage(tracker) if body.continuous_usage else None
             yield chunk(choices, running)
     if body.include_usage:
-        yield chunk([], usage(tracker.prompt_lens, tracker.completion_tokens))
+        yield chunk([], usage(tracker))
     yield DONE
 
 

@@ -454,3 +454,37 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, extra, param, match
         client.chat.completions.create(model="tiny", messages=TOOL_MESSAGES, max_tokens=8,
                                        **{"tools": [WEATHER_TOOL], **extra})
     assert re.search(match, e.value.body["message"]) and e.value.body.get("param") == param, e.value.body
+
+
+@pytest.fixture
+def prompt_details(server):
+    """The running server as --enable-prompt-tokens-details would build it, for one test."""
+    state = server.app.state.jaxserve
+    state.enable_prompt_tokens_details = True
+    yield
+    state.enable_prompt_tokens_details = False
+
+
+def test_usage_reports_cached_prompt_tokens_when_enabled(client, prompt_details):
+    # A 40-token prompt (5 blocks of 8), then the same prompt again: the second finds its full blocks cached.
+    prompt = [7 + (i * 13) % 200 for i in range(40)]
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 32 <= cached < 40, cached  # whole blocks, and never the last token (it must be computed for a logit)
+    # Chat, streamed with include_usage: the final chunk carries the same field.
+    messages = [{"role": "user", "content": "Tell me about the cache, " * 6}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens >= 8
+    assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+def test_usage_leaves_prompt_details_out_by_default(client):
+    resp = client.completions.create(model="tiny", prompt="Hello world", max_tokens=2, temperature=0)
+    assert resp.usage.prompt_tokens_details is None
