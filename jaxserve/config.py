@@ -14,7 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "fp8" means fp8_e4m3, as in vLLM; dashes work too (fp8-e5m2). The JAX dtypes: pallas_kernels/fp8.py.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
-QUANTIZATIONS = ("gguf", "none")  # None is none (models/quantized.py)
+QUANTIZATIONS = ("fp8", "gguf", "none")  # None is none (models/fp8_weights.py, models/quantized.py)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # jaxserve/reasoning.py, which this mirrors
 # How float32 matmuls run (jaxserve.pallas_kernels.precision, which this mirrors without importing JAX):
 # "highest" is true float32, as PyTorch computes by default; "tf32" lets NVIDIA GPUs round inputs to TF32.
@@ -59,8 +59,9 @@ class EngineArgs:
     precompile: str = "auto"
     attention_backend: str = "auto"  # auto | reference | xla | pallas
     load_format: str = "auto"  # auto | safetensors | gguf | orbax (a `jaxserve convert` directory) | dummy
-    # gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized in memory (models/quantized.py); none (or None):
-    # dequantize them at load to dtype.
+    # gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized in memory (models/quantized.py); fp8: quantize the
+    # projections and head to e4m3 with a scale per output once loaded (models/fp8_weights.py); none (or None):
+    # dequantize a GGUF file's weights at load to dtype.
     quantization: Optional[str] = None
     skip_tokenizer_init: bool = False
     seed: int = 0

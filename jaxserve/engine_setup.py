@@ -123,7 +123,7 @@ def build_engine_components(
     model, text_config = load_model(
         path, fmt, dtype=jnp.dtype(dtype), attention_fn=attention_fn, seed=args.seed,
         shardings_fn=sharding.shardings_fn(mesh), fp32_matmul_precision=args.fp32_matmul_precision, progress=progress,
-        quantization=args.quantization,
+        quantization=args.quantization, num_devices=tp,
     )
     jax.block_until_ready(nnx.state(model))  # loaders dispatch asynchronously: time the arrival
     weight_bytes = param_bytes(model)

@@ -65,12 +65,28 @@ def resolve_model_path(model: Optional[str], load_format: str) -> tuple[str, str
 
 def load_model(
     path: str, fmt: str, *, dtype, attention_fn, seed: int = 0, shardings_fn=None, fp32_matmul_precision="highest",
-    progress: bool = False, quantization: Optional[str] = "none",
+    progress: bool = False, quantization: Optional[str] = "none", num_devices: int = 1,
 ):  # fmt: skip
     """Returns (model, TextModelConfig). ``shardings_fn(abstract_model)`` places parameters as they load (TP);
     ``fp32_matmul_precision`` is how a float32 model's matmuls run (jaxserve.pallas_kernels.precision);
     ``progress`` shows a progress bar over the weights; ``quantization`` (EngineArgs.quantization: "gguf" keeps a
-    GGUF file's weights quantized, models/quantized.py; "none" or None dequantizes them)."""
+    GGUF file's weights quantized, models/quantized.py; "fp8" quantizes a float checkpoint's projections and head to
+    e4m3 once loaded, models/fp8_weights.py, whose products run on ``num_devices`` devices; "none" or None dequantizes
+    them)."""
+    model, cfg = _load_model(path, fmt, dtype=dtype, attention_fn=attention_fn, seed=seed, shardings_fn=shardings_fn,
+                             fp32_matmul_precision=fp32_matmul_precision, progress=progress, quantization=quantization)
+    if quantization == "fp8":
+        import jax
+
+        from jaxserve.models import fp8_weights
+
+        platform = jax.default_backend()
+        fp8_weights.quantize_model(model, fp8_weights.default_mode("gpu" if platform in ("cuda", "rocm") else platform,
+                                                                   num_devices))  # fmt: skip
+    return model, cfg
+
+
+def _load_model(path, fmt, *, dtype, attention_fn, seed, shardings_fn, fp32_matmul_precision, progress, quantization):
     from jaxserve.models.config import TextModelConfig
 
     kw = dict(

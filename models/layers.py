@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models import cpu_bf16, quantized
+from jaxserve.models import cpu_bf16, fp8_weights, quantized
 from jaxserve.models.config import TextModelConfig
 from jaxserve.pallas_kernels import cpu_native
 from jaxserve.pallas_kernels.precision import matmul_precision
@@ -74,6 +74,7 @@ class Linear(nnx.Module):
         self.kernel = _param(rngs, (in_features, *out), param_dtype, axes, "normal")
         self.bias = _param(rngs, out, param_dtype, axes[1:], "zeros") if use_bias else None
         self.weight_block = 0  # > 0: ``kernel`` holds block-quantized codes (models/quantized.py)
+        self.fp8_mode = None  # set: ``kernel`` holds e4m3 codes [*out, in], products run so (models/fp8_weights.py)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x [T, in] -> [T, *out]
         y = self.product(x, self.dtype)
@@ -83,6 +84,9 @@ class Linear(nnx.Module):
 
     def product(self, x: jax.Array, out_dtype) -> jax.Array:
         """x [T, in] @ kernel -> [T, *out] in ``out_dtype``, without the bias (float32 sums rounded once)."""
+        if self.fp8_mode:
+            return fp8_weights.product(x.astype(self.dtype), self.kernel[...], self.kernel_scale[...], out_dtype,
+                                       self.fp8_mode, self.precision)  # fmt: skip
         if self.weight_block:
             codes, scale, offset = self.kernel[...], self.kernel_scale[...], self.kernel_offset[...]
             if cpu_native.use_qgemm(x.astype(self.dtype)):  # a decode step on the CPU: the codes read in place
@@ -104,14 +108,20 @@ class Embed(nnx.Module):
         self.precision = precision if precision is not None else matmul_precision(dtype)
         self.embedding = _param(rngs, (vocab_size, hidden_size), param_dtype, ("vocab", "embed"), "normal")
         self.weight_block = 0  # > 0: ``embedding`` holds block-quantized codes (models/quantized.py)
+        self.fp8_mode = None  # set: ``embedding`` holds e4m3 codes with a scale per row (models/fp8_weights.py)
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # ids [T] int32 -> [T, D]
+        if self.fp8_mode:
+            return fp8_weights.lookup(ids, self.embedding[...], self.embedding_scale[...], self.dtype)
         if self.weight_block:
             rows = [jnp.take(p[...], ids, axis=0) for p in (self.embedding, self.embedding_scale, self.embedding_offset)]
             return quantized.dequantize(*rows, axis=1).astype(self.dtype)
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:  # x [S, D] -> logits [S, V] float32
+        if self.fp8_mode:  # the table [V, D] is the product's weight as stored: one scale per vocabulary row
+            return fp8_weights.product(x.astype(self.dtype), self.embedding[...], self.embedding_scale[...],
+                                       jnp.float32, self.fp8_mode, self.precision)  # fmt: skip
         if self.weight_block:
             codes, scale, offset = self.embedding[...], self.embedding_scale[...], self.embedding_offset[...]
             if cpu_native.use_qgemm(x.astype(self.dtype)):  # the tied head of a CPU decode step, read in place

@@ -206,7 +206,7 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # hidden [S, D] (already normed) -> [S, V] float32
         if self.lm_head is None:
             return self.model.embed_tokens.attend(hidden)
-        if self.lm_head.weight_block:  # codes: the head's own product, float32 out
+        if self.lm_head.weight_block or self.lm_head.fp8_mode:  # codes: the head's own product, float32 out
             return self.lm_head.product(hidden, jnp.float32)
         kernel = self.lm_head.kernel[...]  # [D, V]
         return cpu_bf16.matmul(hidden.astype(kernel.dtype), kernel, self.lm_head.precision)  # float32 logits

@@ -10,6 +10,7 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM spells the prompt-lookup method "ngram"; a draft model is picked by giving "model" (method "draft_model").
 _KEYS = (
     "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "forced_acceptance_length",
+    "quantization",
 )
 
 
@@ -27,6 +28,9 @@ class SpeculativeConfig:
     # an acceptance length can be measured with dummy weights; "ngram" then pads its proposals to k (repeating the
     # last token), a proposer that costs nothing. The output is then NOT the model's.
     forced_acceptance_length: Optional[int] = None
+    # draft_model: "fp8" quantizes the draft's weights (models/fp8_weights.py), halving the bytes each of its passes
+    # reads; exact all the same (the target verifies every proposal). None: the draft in the target's dtype.
+    quantization: Optional[str] = None
 
     @classmethod
     def parse(cls, value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
@@ -87,4 +91,11 @@ class SpeculativeConfig:
                 f"speculative_config forced_acceptance_length={forced!r} is invalid: give an integer in [0, "
                 f"num_speculative_tokens={k}] (benchmarks only), or leave it out"
             )
-        return cls(method, k, lo or 1, hi or 3, model, forced)
+        quantization = d.get("quantization")
+        if quantization is not None and (method != "draft_model" or quantization != "fp8"):
+            raise ValueError(
+                f"speculative_config quantization={quantization!r} is invalid: only a draft model's weights are "
+                "quantized, and only to \"fp8\" (e.g. {\"model\": \"path/to/draft\", \"quantization\": \"fp8\"}); "
+                "leave it out otherwise"
+            )
+        return cls(method, k, lo or 1, hi or 3, model, forced, quantization)

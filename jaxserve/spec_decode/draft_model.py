@@ -80,6 +80,7 @@ class DraftProposer(FedRoundsMixin):
         model, text_config = load_model(
             path, fmt, dtype=jnp.dtype(mc.dtype), attention_fn=attention_fn, seed=args.seed,
             shardings_fn=sharding.shardings_fn(mesh), fp32_matmul_precision=mc.fp32_matmul_precision, progress=progress,
+            quantization=config.quantization, num_devices=mesh.shape["model"],
         )
         if text_config.vocab_size != target_text_config.vocab_size:
             raise ValueError(
