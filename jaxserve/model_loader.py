@@ -81,6 +81,9 @@ def load_model(
         from jaxserve.models import fp8_weights
 
         platform = jax.default_backend()
+        if platform == "cpu":
+            logger.warning("quantization='fp8' on the CPU: every product converts its weight back to a float first, "
+                           "~7x slower than float32 (BENCHMARKS §48); on a CPU quantization='gguf' is the fast one")
         fp8_weights.quantize_model(model, fp8_weights.default_mode("gpu" if platform in ("cuda", "rocm") else platform,
                                                                    num_devices))  # fmt: skip
     return model, cfg

@@ -8,10 +8,12 @@ as [*out, in]; an embedding table is [V, D] already), which is how the GEMV kern
 (pallas_kernels/fp8_gemv.py): each output's inputs contiguous, the tensor cores' left operand.
 
 Each product is ``(x @ codes.T) * scale`` with float32 sums, rounded once to the output dtype:
-- "pallas": on one GPU, for products of at most ``KERNEL_MAX_ROWS`` rows (decode and verify steps, draft rounds),
-  the kernel, which streams the codes at the memory's rate;
-- "xla": every other product (prefill chunks, the CPU, a TP mesh, whose sharded weights the kernel does not take),
-  XLA's product of the codes converted to the activations' dtype; the same function;
+- "xla" (the default): XLA's product of the codes converted to the activations' dtype. On the GPU XLA fuses the
+  conversion into its Triton GEMM, which read the 8B's decode products 1.5-1.65x faster than their bf16 form on an
+  H100 (BENCHMARKS §48);
+- "pallas" (opt-in, $JAXSERVE_FP8_WEIGHTS_MODE=pallas; one GPU only): the Pallas GEMV kernel for products of at
+  most ``KERNEL_MAX_ROWS`` rows, XLA's for larger ones. In its default configuration it beat XLA only on the 1B's two
+  smallest products (§48); it stays for tuning and comparison;
 - "interpret": the kernel in Pallas's interpreter (tests on the CPU).
 
 Speculative decoding stays exact with an fp8 draft (rejection sampling needs only the distribution the draft
@@ -35,14 +37,17 @@ SCALE = "_scale"
 
 
 def default_mode(platform: str, num_devices: int) -> str:
-    """The kernel on one GPU; XLA's product elsewhere (a CPU, a TPU, a mesh of several devices).
-    $JAXSERVE_FP8_WEIGHTS_MODE (one of MODES) overrides it: benchmarks compare the two, tests interpret the kernel."""
+    """XLA's product, unless $JAXSERVE_FP8_WEIGHTS_MODE names another of MODES: benchmarks compare the kernel with
+    it, tests interpret the kernel. The kernel needs one GPU: it does not take a TP mesh's sharded weights."""
     forced = os.environ.get("JAXSERVE_FP8_WEIGHTS_MODE")
-    if forced:
-        if forced not in MODES:
-            raise ValueError(f"JAXSERVE_FP8_WEIGHTS_MODE={forced!r}: choose one of {MODES}, or unset it")
-        return forced
-    return "pallas" if platform == "gpu" and num_devices == 1 else "xla"
+    if not forced:
+        return "xla"
+    if forced not in MODES:
+        raise ValueError(f"JAXSERVE_FP8_WEIGHTS_MODE={forced!r}: choose one of {MODES}, or unset it")
+    if forced == "pallas" and (platform != "gpu" or num_devices > 1):
+        raise ValueError(f"JAXSERVE_FP8_WEIGHTS_MODE=pallas runs a GPU kernel on one device, but this engine runs on "
+                         f"{num_devices} {platform} device(s): unset it (XLA's product), or use 'interpret' (tests)")
+    return forced
 
 
 def is_fp8(module) -> bool:

@@ -183,7 +183,8 @@ def prepare(ns, prefix: str, model_path: str, cfg, dtype: str) -> tuple[list, di
 def finish(llm, work: list, hf: dict | None, dtype: str, copy_rate: float) -> dict:
     """Time ``work`` on the engine, add the roofline and HF's rate; also used by `bench throughput`."""
     params = getattr(getattr(llm.llm_engine, "runner", None), "params", ())  # a DP router holds none
-    held = sum(int(p.nbytes) for p in params) if any(str(p.dtype) == "int8" for p in params) else None  # codes
+    quantized = any(str(p.dtype) in ("int8", "float8_e4m3fn") for p in params)  # GGUF codes, fp8 weights
+    held = sum(int(p.nbytes) for p in params) if quantized else None
     res = with_roofline(measure(llm, work), llm.llm_engine.text_config, dtype, copy_rate, held)
     if hf is not None:
         res["hf"] = hf

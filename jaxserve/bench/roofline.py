@@ -115,7 +115,7 @@ def single_stream(cfg, dtype: str, copy_rate: float, held_bytes: int | None = No
     """One sequence decoding: every token must read every weight once (the KV cache of a few hundred tokens
     is under 1% of that for 8B and is left out, as in the issue's definition). ``held_bytes``: the bytes the
     engine's weights really take, where they differ from the config's count in ``dtype`` (GGUF weights kept
-    quantized, models/quantized.py)."""
+    quantized, models/quantized.py; fp8 weights, models/fp8_weights.py)."""
     wb = held_bytes or weight_bytes(cfg, dtype)
     return {"weight_bytes": wb, "copy_bytes_per_s": copy_rate, "tokens_per_s": copy_rate / wb}
 

@@ -96,6 +96,9 @@ def test_engine_tokens_equal_with_the_kernel_and_with_xla(monkeypatch):
     monkeypatch.setenv("JAXSERVE_FP8_WEIGHTS_MODE", "interpret")
     kernel = completions(LLM(path, **small_engine_kwargs(quantization="fp8")).generate(PROMPTS, params, use_tqdm=False))
     assert kernel == xla
+    monkeypatch.setenv("JAXSERVE_FP8_WEIGHTS_MODE", "pallas")
+    with pytest.raises(ValueError, match="GPU kernel on one device"):
+        LLM(path, **small_engine_kwargs(quantization="fp8"))
     monkeypatch.setenv("JAXSERVE_FP8_WEIGHTS_MODE", "fast")
     with pytest.raises(ValueError, match="JAXSERVE_FP8_WEIGHTS_MODE='fast'"):
         LLM(path, **small_engine_kwargs(quantization="fp8"))
