@@ -73,19 +73,27 @@ def fits(k: int, n: int, config: GemvConfig) -> bool:
     return n % config.block_n == 0 and k % (config.splits * config.block_k) == 0
 
 
+def _setup(x: jax.Array, n: int, config: GemvConfig | None):
+    """(config, the rows padded to the tensor cores' tile, K per split, the dot's precision) for ``x [M, K]`` and
+    ``n`` outputs; a ValueError when the configuration does not tile the weight."""
+    m, k = x.shape
+    config = config or pick_config(k, n, m)
+    if not fits(k, n, config):
+        raise ValueError(f"fp8_gemv: a weight of {k} inputs and {n} outputs does not tile by {config}")
+    rows = max(MIN_ROWS, -(-m // MIN_ROWS) * MIN_ROWS)
+    xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return config, xp, k // config.splits, precision
+
+
 def fp8_gemv(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype, *, transposed: bool = False,
              config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:  # fmt: skip
     """``x [M, K] @ (w [K, N] float8 * scale [N])`` -> [M, N] in ``out_dtype``; float32 sums, rounded once.
     ``transposed``: ``w`` is [N, K] and the product is ``x @ (w * scale[:, None]).T``."""
-    m, k = x.shape
+    m = x.shape[0]
     n = w.shape[0] if transposed else w.shape[1]
-    config = config or pick_config(k, n, m)
-    if not fits(k, n, config):
-        raise ValueError(f"fp8_gemv: a [{k}, {n}] weight does not tile by {config}")
-    rows = max(MIN_ROWS, -(-m // MIN_ROWS) * MIN_ROWS)
-    xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
-    part = k // config.splits
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    config, xp, part, precision = _setup(x, n, config)
+    rows = xp.shape[0]
     if transposed:
         w_spec = pl.BlockSpec((config.block_n, part), lambda j, s: (j, s))
     else:
@@ -131,16 +139,10 @@ def fp8_gemv_nk(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype, *, conf
     """``x [M, K] @ (w [N, K] float8 * scale[:, None]).T`` -> [M, N] in ``out_dtype``: the weight stored output-major
     (each output's K values contiguous), so it is the tensor cores' left operand ([BN, BK] tiles, BN >= 64) and the
     rows the right one (M padded to 16)."""
-    m, k = x.shape
-    n = w.shape[0]
-    config = config or pick_config(k, n, m)
-    if not fits(k, n, config):
-        raise ValueError(f"fp8_gemv: a [{n}, {k}] weight does not tile by {config}")
-    rows = max(MIN_ROWS, -(-m // MIN_ROWS) * MIN_ROWS)
-    xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
-    part = k // config.splits
+    m, n = x.shape[0], w.shape[0]
+    config, xp, part, precision = _setup(x, n, config)
+    rows = xp.shape[0]
     fused = config.splits == 1
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(
         _kernel_nk, block_k=config.block_k, steps=part // config.block_k, precision=precision, fused=fused
     )
