@@ -1,7 +1,7 @@
 """fp8 (e4m3) weights with one scale per output: ``quantization="fp8"``, as vLLM quantizes a float checkpoint online.
 
-After a model loads, ``quantize_model`` swaps the weight of every decoder-only text model's Linear (the projections
-and an untied head) and a tied embedding table for e4m3 codes and a float32 scale per output (the absolute maximum
+After a model loads, ``quantize_model`` swaps the weight of every Linear (a decoder's projections and an untied
+head) and every embedding table (a tied one is the head) for e4m3 codes and a float32 scale per output (the absolute maximum
 over the output's inputs maps to 448, e4m3's largest value). Half the bytes of bf16: a decode step reads every
 weight once, so its products read half as much. The codes are stored output-major (a Linear's [in, *out] kernel
 as [*out, in]; an embedding table is [V, D] already), which is how the GEMV kernel reads them
@@ -33,7 +33,6 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 KERNEL_MAX_ROWS = 64  # products of at most this many rows run the GEMV kernel ("pallas"); larger ones XLA's
 MODES = ("pallas", "xla", "interpret")
-SCALE = "_scale"
 
 
 def default_mode(platform: str, num_devices: int) -> str:

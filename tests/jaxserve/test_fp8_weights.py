@@ -154,3 +154,26 @@ def test_fp8_under_tensor_and_data_parallelism_gives_one_devices_tokens():
     assert qkv.fp8_mode == "xla" and len(qkv.kernel.get_value().sharding.device_set) == 2
     dp = LLM(path, data_parallel_size=2, **kw)
     assert completions(dp.generate(PROMPTS, params, use_tqdm=False)) == one
+
+
+def test_lora_adapters_on_fp8_base_weights(tmp_path):
+    """The codes are not folded with the adapters' A (that needs float kernels): the base product, then the deltas.
+    An adapter changes the output, and a batch that mixes it with the base gives each what it gives alone."""
+    from lora_fixtures import make_peft_adapter
+
+    from jaxserve import LoRARequest
+
+    base = checkpoint("llama_gqa")
+    lora = LoRARequest("b16", 1, make_peft_adapter(base, str(tmp_path / "b16"), r=16, seed=2))
+    llm = LLM(base, **small_engine_kwargs(quantization="fp8", enable_lora=True, max_loras=1, max_lora_rank=16))
+    assert not llm.llm_engine.runner.lora.folded
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(40, 51))}
+
+    def gen(loras):
+        return [o.outputs[0].token_ids for o in llm.generate([prompt] * len(loras), params, use_tqdm=False,
+                                                             lora_request=loras)]  # fmt: skip
+
+    alone = gen([lora])[0], gen([None])[0]
+    assert alone[0] != alone[1]
+    assert gen([lora, None]) == list(alone)
