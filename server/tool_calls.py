@@ -96,6 +96,7 @@ class ToolCallStream:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
+        self._reader = plan.parser.reader()  # remembers what it read: each delta costs its own length
         self.text = ""
         self.ids: list[str] = []  # one id per call sent so far
         self._content_sent = 0
@@ -106,7 +107,7 @@ class ToolCallStream:
         return bool(self.ids)
 
     def _parse(self, final: bool) -> Parsed:
-        parsed = self.plan.parser(self.text, final)
+        parsed = self._reader.read(self.text, final)
         if self.plan.max_calls is not None:
             parsed.calls = parsed.calls[: self.plan.max_calls]
         return parsed

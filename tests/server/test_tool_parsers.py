@@ -114,3 +114,24 @@ def test_forced_schemas():
 def test_named_parser_streams_the_arguments_as_written():
     parse = named_call_parser("f")
     assert _calls(parse("", False)) == [] and _calls(parse('{"a":', False)) == [("f", '{"a":')]
+
+
+@pytest.mark.parametrize("parser, text", [
+    (parse_hermes, f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call> and <tool_call>{{bad}}</tool_call><tool_call>{WEATHER}"),
+    (parse_hermes, f"<tool_call>{WEATHER}</tool_call>\n<tool_call>{WEATHER[:30]}"),
+    (parse_llama3_json, f'  <|python_tag|>{WEATHER.replace("arguments", "parameters")}; {{"name": "now", "parameters": {{}}}};'),
+    (parse_llama3_json, 'Plain {"name": "x"} text'),
+    (parse_call_array, '[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}"}}, {"name": "now", "parameters": {}}]'),
+])
+def test_a_streams_reader_reads_each_prefix_as_the_whole_parser_does(parser, text):
+    """A reader remembers what it read (each delta costs its own length); at every prefix, final or not, it
+    answers what a fresh parse of that prefix answers."""
+    reader = parser.reader()
+    for end in range(len(text) + 1):
+        got = reader.read(text[:end], final=False)
+        want = parser(text[:end], False)
+        assert (got.content_end, _calls(got)) == (want.content_end, _calls(want)), end
+        final = parser.reader()
+        final.read(text[: end // 2], False)
+        got, want = final.read(text[:end], True), parser(text[:end], True)
+        assert (got.content_end, _calls(got)) == (want.content_end, _calls(want)), end
