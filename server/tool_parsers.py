@@ -5,7 +5,7 @@ A parser reads the text so far and returns the length of its plain-content prefi
 Called as a function it reads a whole text. A stream's text only grows, so each stream takes a reader of its own
 (``parser.reader()``) that remembers what it already read: the calls it closed and where to go on from. Each delta
 then costs about its own length (and the call still being written), not the whole reply's: a reply of 64 calls
-re-read at every delta cost ~1 ms a delta (BENCHMARKS §48). Two rules keep a stream and the final answer the same:
+re-read at every delta cost ~0.5-1.3 ms a delta (BENCHMARKS §48). Two rules keep a stream and the final answer the same:
 the content prefix only grows (text that may still turn into a call is held back, as a stop string is), and a call
 is listed only once its JSON is complete, except a named tool choice's, whose whole output is the arguments and so
 grows as a prefix of them.
