@@ -177,3 +177,16 @@ def test_lora_adapters_on_fp8_base_weights(tmp_path):
     alone = gen([lora])[0], gen([None])[0]
     assert alone[0] != alone[1]
     assert gen([lora, None]) == list(alone)
+
+
+def test_serve_flags_reach_the_engine_args():
+    """`jaxserve serve --quantization fp8 --speculative-config '{..., "quantization": "fp8"}'`: the server wraps the
+    engine these args build (the engine's paths are tested above)."""
+    import json
+
+    from jaxserve.cli import build_parser, engine_args_from, parse_args
+
+    spec = {"model": "draft", "num_speculative_tokens": 3, "quantization": "fp8"}
+    ns = parse_args(build_parser(), ["serve", "target", "--quantization", "fp8", "--speculative-config", json.dumps(spec)])
+    args = engine_args_from(ns)
+    assert args.quantization == "fp8" and json.loads(args.speculative_config)["quantization"] == "fp8"
