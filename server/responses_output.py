@@ -55,7 +55,8 @@ class OutputWriter:
         item["content"][0]["text"] += text
         self._event("response.reasoning_text.delta", **self._where(item), content_index=0, delta=text)
 
-    def text(self, text: str) -> None:
+    def text(self, text: str, logprobs: list[dict[str, Any]] = ()) -> None:
+        """More answer text, with the logprobs of the tokens that wrote it (when asked for)."""
         if not text:
             return
         item = self._open
@@ -66,7 +67,15 @@ class OutputWriter:
             self._event("response.content_part.added", **self._where(item), content_index=0,
                         part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         item["content"][0]["text"] += text
-        self._event("response.output_text.delta", **self._where(item), content_index=0, delta=text, logprobs=[])
+        item["content"][0]["logprobs"] += logprobs
+        self._event("response.output_text.delta", **self._where(item), content_index=0, delta=text,
+                    logprobs=list(logprobs))
+
+    def more_logprobs(self, logprobs: list[dict[str, Any]]) -> None:
+        """Logprobs of answer tokens whose text was held back and never sent as answer (it may have become a tool
+        call): the open message keeps them, in its closing events; without an open message they are dropped."""
+        if logprobs and self._open is not None and self._open["type"] == "message":
+            self._open["content"][0]["logprobs"] += logprobs
 
     def call(self, index: int, call_id: Optional[str], name: Optional[str], arguments: str) -> None:
         """A tool call's first delta (``call_id`` set, with its name) or more of its arguments."""
@@ -87,7 +96,8 @@ class OutputWriter:
         where = self._where(item)
         if item["type"] == "message":
             part = item["content"][0]
-            self._event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
+            self._event("response.output_text.done", **where, content_index=0, text=part["text"],
+                        logprobs=list(part["logprobs"]))
             self._event("response.content_part.done", **where, content_index=0, part=dict(part))
         elif item["type"] == "reasoning":
             part = item["content"][0]
@@ -107,7 +117,7 @@ def _snapshot(item: dict[str, Any]) -> dict[str, Any]:
     """A copy of an item as it stands (events must not change when the item grows later)."""
     out = dict(item)
     if "content" in out:
-        out["content"] = [dict(p) for p in out["content"]]
+        out["content"] = [{k: list(v) if k == "logprobs" else v for k, v in p.items()} for p in out["content"]]
     return out
 
 
@@ -137,6 +147,7 @@ def response_body(
         "tool_choice": tool_choice_json(body.tool_choice),
         "tools": tools_json(body.tools),
         "truncation": "disabled",
+        "top_logprobs": body.top_logprobs,
         "store": body.store,
         "usage": usage,
     }

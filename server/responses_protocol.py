@@ -91,6 +91,15 @@ class TextConfig(_Request):
     format: Optional[TextFormat] = None
 
 
+LOGPROBS = "message.output_text.logprobs"
+# OpenAI's values of ``include``: the others concern its hosted tools and encrypted reasoning.
+INCLUDABLE = frozenset({
+    LOGPROBS, "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url", "file_search_call.results", "message.input_image.image_url",
+    "reasoning.encrypted_content",
+})
+
+
 class ResponsesRequest(_SamplingFields):
     """POST /v1/responses."""
 
@@ -105,9 +114,23 @@ class ResponsesRequest(_SamplingFields):
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     truncation: Optional[Literal["disabled"]] = None  # "auto" (drop old turns to fit) is not offered
+    # "message.output_text.logprobs": each answer token's logprob beside the text, with top_logprobs alternatives.
+    # OpenAI's other values name tools this server does not have: accepted, and nothing to add.
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     # vLLM's extras, as on chat.
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @property
+    def logprobs(self) -> Optional[int]:
+        """How many alternatives each answer token's logprob comes with (None: no logprobs); a 400 naming an
+        ``include`` value OpenAI does not define."""
+        unknown = sorted(set(self.include or ()) - INCLUDABLE)
+        if unknown:
+            raise bad_request(f"include={unknown} is invalid: the values are {sorted(INCLUDABLE)} (this server adds "
+                              "only message.output_text.logprobs)", param="include")
+        return (self.top_logprobs or 0) if LOGPROBS in (self.include or ()) else None
 
     def messages(self) -> list[dict[str, Any]]:
         """This request's own turns as chat messages (instructions first); a 400 naming the field when an item cannot

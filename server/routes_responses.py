@@ -15,7 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.server.deltas import DeltaTracker, stream_outputs
+from jaxserve.reasoning import ANSWERING, UNDECIDED
 from jaxserve.server.errors import from_value_error
+from jaxserve.server.logprobs import chat_logprobs
 from jaxserve.server.protocol import ChatMessage
 from jaxserve.server.protocol_responses import now_s
 from jaxserve.server.reply_reader import ReplyReader
@@ -36,17 +38,18 @@ async def create_response(request: Request) -> Response:
         chat = body.as_chat(history)
     except ValueError as e:
         raise from_value_error(e) from None
-    tools, prompt, mm, params = await prepare_chat(state, chat, "input", "max_output_tokens", None)
+    logprobs = body.logprobs
+    tools, prompt, mm, params = await prepare_chat(state, chat, "input", "max_output_tokens", logprobs)
     response_id = new_id("resp")
     streams = await state.submit(response_id, [prompt], params, model, mm=mm)
-    turn = _Turn(state, body, chat, model, response_id, prompt, tools)
+    turn = _Turn(state, body, chat, model, response_id, prompt, tools, logprobs)
     if body.stream:
         return SSEResponse(guard_stream(turn.stream(streams), what="responses", request_id=response_id,
                                         engine=state.engine, streams=streams))
     finals = await collect_finals(request, state.engine, streams)
     (d,) = DeltaTracker(1, [len(prompt)]).update(0, finals[0])
     turn.cached_tokens = finals[0].num_cached_tokens
-    turn.feed(d.text, d.token_ids, final=True)
+    turn.feed(d.text, d.token_ids, final=True, logprobs=d.logprobs)
     return JSONResponse(turn.finish(d.finish_reason))
 
 
@@ -54,7 +57,7 @@ class _Turn:
     """One response being written: its reader, its items, and what it stores at the end."""
 
     def __init__(self, state: ServerState, body: ResponsesRequest, chat, model: str, response_id: str,
-                 prompt: list[int], tools: ToolPlan) -> None:  # fmt: skip
+                 prompt: list[int], tools: ToolPlan, logprobs: Optional[int]) -> None:  # fmt: skip
         self.state, self.body, self.chat, self.model, self.id = state, body, chat, model, response_id
         self.prompt_len = len(prompt)
         self.reply_state = state.reasoning_state(prompt)
@@ -62,20 +65,31 @@ class _Turn:
         self.writer = OutputWriter()
         self.token_ids: list[int] = []
         self.cached_tokens = 0  # prompt tokens the prefix cache served
+        self.top_logprobs = logprobs  # None: no logprobs asked for (include), else alternatives per token
+        self._pending: list[dict[str, Any]] = []  # answer tokens' logprobs whose text is not sent yet
+        self._reasoning_end: Optional[int] = None  # the index of </think> among the output tokens, once seen
         self.created_at = now_s()
         self.sequence = 0
 
-    def feed(self, text: str, token_ids: list[int], final: bool) -> None:
+    def feed(self, text: str, token_ids: list[int], final: bool, logprobs=None) -> None:
+        first = len(self.token_ids)
         self.token_ids += token_ids
+        if self.top_logprobs is not None and logprobs is not None:
+            entries = chat_logprobs(token_ids, logprobs, self.top_logprobs).content
+            self._pending += [e.model_dump() for i, e in enumerate(entries) if self._is_answer(first + i)]
         thought, content, made = self.reader.feed(text, final)
         self.writer.reasoning(thought)
-        self.writer.text(content)
+        if content:
+            self.writer.text(content, self._pending)  # the answer tokens so far go with the text they wrote
+            self._pending = []
         for index, call_id, call in made:
             self.writer.call(index, call_id, call.name, call.arguments)
 
     def finish(self, finish_reason: Optional[str]) -> dict[str, Any]:
         """Close the output; the Response object (stored when asked)."""
         incomplete = "max_output_tokens" if finish_reason == "length" else None
+        self.writer.more_logprobs(self._pending)
+        self._pending = []
         self.writer.close("incomplete" if incomplete else "completed")
         usage = response_usage(self.prompt_len, len(self.token_ids), self._reasoning_tokens(), self.cached_tokens)
         response = response_body(
@@ -87,6 +101,16 @@ class _Turn:
             turns = list(self.chat.messages)[1:] if self.body.instructions else list(self.chat.messages)
             self.state.responses.put(response, turns + [self._reply_message()])
         return response
+
+    def _is_answer(self, i: int) -> bool:
+        """Whether output token ``i`` belongs to the answer rather than to a reasoning block (its tags included)."""
+        if self.reply_state is None or self.reply_state == ANSWERING:
+            return True
+        if self.reply_state == UNDECIDED and self.token_ids[0] != self.state.reasoning_start_id:
+            return True  # a reply that could open a block and did not
+        if self._reasoning_end is None and self.state.reasoning_end_id in self.token_ids:
+            self._reasoning_end = self.token_ids.index(self.state.reasoning_end_id)
+        return self._reasoning_end is not None and i > self._reasoning_end
 
     def _reasoning_tokens(self) -> int:
         """Output tokens up to and including </think> (all of them if the reply never closed its block)."""
@@ -125,7 +149,7 @@ class _Turn:
         async for i, out in stream_outputs(streams):
             self.cached_tokens = out.num_cached_tokens
             for d in tracker.update(i, out):
-                self.feed(d.text, d.token_ids, final=d.finish_reason is not None)
+                self.feed(d.text, d.token_ids, final=d.finish_reason is not None, logprobs=d.logprobs)
                 finish_reason = d.finish_reason or finish_reason
                 for event in self.writer.drain():
                     yield self._event(event)

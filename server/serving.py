@@ -51,6 +51,7 @@ class ServerState:
     next_lora_id: int = 1
     tool_call_parser: Optional[str] = None  # tool_choice="auto" reads calls in this format (None: refused)
     reasoning: Optional[ReasoningFormat] = None  # a reasoning model's format (--reasoning-parser): chat splits replies
+    reasoning_start_id: Optional[int] = None  # its <think> token
     reasoning_end_id: Optional[int] = None  # its </think> token
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # under each request's own
     enable_prompt_tokens_details: bool = False  # usage carries prompt_tokens_details.cached_tokens
@@ -72,6 +73,7 @@ class ServerState:
             mm_processor=getattr(core, "mm_processor", None),
             allowed_local_media_path=getattr(getattr(core, "args", None), "allowed_local_media_path", None),
             reasoning=tags[0] if tags else None,
+            reasoning_start_id=tags[1] if tags else None,
             reasoning_end_id=tags[2] if tags else None,
             **kw,
         )

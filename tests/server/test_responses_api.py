@@ -120,9 +120,40 @@ def test_structured_text_format(client):
     assert set(json.loads(resp.output_text)) == {"fruit"} and resp.text.format.type == "json_schema"
 
 
+def test_logprobs_of_the_answer_tokens(server, client):
+    """include=["message.output_text.logprobs"]: each answer token's logprob with top_logprobs alternatives, beside
+    the text; the reasoning block's tokens have none. A stream's deltas carry the same ones, in order."""
+    kw = dict(input="Name a fruit.", max_output_tokens=30, include=["message.output_text.logprobs"], top_logprobs=2,
+              structured_outputs={"grammar": "start: " + THOUGHT + "/[a-z]{3,6}/"})
+    whole = _post(server, **kw)
+    assert whole["top_logprobs"] == 2
+    reasoning, message = whole["output"]
+    part = message["content"][0]
+    lps = part["logprobs"]
+    assert lps and "".join(lp["token"] for lp in lps).strip() == part["text"]
+    assert len(lps) < whole["usage"]["output_tokens"] - whole["usage"]["output_tokens_details"]["reasoning_tokens"] + 1
+    for lp in lps:
+        assert lp["logprob"] <= 0 and 1 <= len(lp["top_logprobs"]) <= 2 and lp["bytes"] == list(lp["token"].encode())
+        assert lp["top_logprobs"][0]["logprob"] >= lp["top_logprobs"][-1]["logprob"]
+    events = _events(server, **kw)
+    deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert deltas == done["logprobs"] == lps
+    # Without reasoning every output token is the answer's; without include there are none.
+    plain = client.responses.create(model="tiny", input="Name a fruit.", max_output_tokens=6, temperature=0,
+                                    include=["message.output_text.logprobs"],
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert len(plain.output[0].content[0].logprobs) == plain.usage.output_tokens == 6
+    assert all(lp.top_logprobs == [] for lp in plain.output[0].content[0].logprobs)  # top_logprobs unset: none
+    bare = client.responses.create(model="tiny", input="Name a fruit.", max_output_tokens=6, temperature=0,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert bare.output[0].content[0].logprobs == [] and bare.output_text == plain.output_text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"n": 2}, "n"),
+    ({"include": ["message.output_text.logprobs", "everything"]}, "include"),
     ({"max_output_tokens": 500}, "max_output_tokens"),
     ({"input": ""}, "input"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
