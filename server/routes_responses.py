@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.server.deltas import DeltaTracker, stream_outputs
 from jaxserve.reasoning import ANSWERING, UNDECIDED
 from jaxserve.server.errors import from_value_error
-from jaxserve.server.logprobs import chat_logprobs
+from jaxserve.server.logprobs import token_logprob_dicts
 from jaxserve.server.protocol import ChatMessage
 from jaxserve.server.protocol_responses import now_s
 from jaxserve.server.reply_reader import ReplyReader
@@ -75,8 +75,8 @@ class _Turn:
         first = len(self.token_ids)
         self.token_ids += token_ids
         if self.top_logprobs is not None and logprobs is not None:
-            entries = chat_logprobs(token_ids, logprobs, self.top_logprobs).content
-            self._pending += [e.model_dump() for i, e in enumerate(entries) if self._is_answer(first + i)]
+            entries = token_logprob_dicts(token_ids, logprobs, self.top_logprobs)
+            self._pending += [e for i, e in enumerate(entries) if self._is_answer(first + i)]
         thought, content, made = self.reader.feed(text, final)
         self.writer.reasoning(thought)
         if content:
