@@ -26,21 +26,33 @@ def _weight(shape, seed=1):
     return q, s
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17])
-@pytest.mark.parametrize("config", [None, SPLIT], ids=["default", "split"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_computes_the_dequantized_product(rows, config, dtype):
+def _check_kernel(rows, config, dtype, layouts):
     q, s = _weight((384, 512))  # [N, K]
     x = jax.random.normal(jax.random.PRNGKey(0), (rows, 512), jnp.float32).astype(dtype)
-    want = x.astype(jnp.float32) @ (q.astype(jnp.float32) * s[:, None]).T
-    got = fp8_gemv.fp8_gemv_nk(x, q, s, dtype, config=config, interpret=True)
-    assert got.shape == (rows, 384) and got.dtype == dtype
+    want = np.asarray(x.astype(jnp.float32) @ (q.astype(jnp.float32) * s[:, None]).T)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=tol, rtol=tol)
-    # The input-major form ([K, N]; transposed=True reads [N, K] as a tied table) agrees with it.
-    for w, transposed in ((q.T, False), (q, True)):
-        other = fp8_gemv.fp8_gemv(x, w, s, dtype, transposed=transposed, config=config, interpret=True)
-        np.testing.assert_allclose(np.asarray(other, np.float32), np.asarray(want), atol=tol, rtol=tol)
+    for layout in layouts:
+        if layout == "output-major":
+            got = fp8_gemv.fp8_gemv_nk(x, q, s, dtype, config=config, interpret=True)
+        else:  # input-major [K, N]; "transposed" reads [N, K] as a tied table is stored
+            w, transposed = (q, True) if layout == "transposed" else (q.T, False)
+            got = fp8_gemv.fp8_gemv(x, w, s, dtype, transposed=transposed, config=config, interpret=True)
+        assert got.shape == (rows, 384) and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol, err_msg=layout)
+
+
+@pytest.mark.parametrize("rows, config, dtype", [
+    (1, None, jnp.float32), (17, SPLIT, jnp.float32), (5, None, jnp.bfloat16), (5, SPLIT, jnp.bfloat16),
+])
+def test_kernel_computes_the_dequantized_product(rows, config, dtype):
+    """The output-major kernel (the one fp8 weights run): one row and rows past one tile of 16, a split K range,
+    float32 and bf16 activations."""
+    _check_kernel(rows, config, dtype, ["output-major"])
+
+
+@pytest.mark.parametrize("config", [None, SPLIT], ids=["default", "split"])
+def test_input_major_kernel_agrees(config):
+    _check_kernel(3, config, jnp.float32, ["input-major", "transposed"])
 
 
 def test_kernel_refuses_a_weight_it_cannot_tile():
