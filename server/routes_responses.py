@@ -14,8 +14,8 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.server.deltas import DeltaTracker, stream_outputs
 from jaxserve.reasoning import ANSWERING, UNDECIDED
+from jaxserve.server.deltas import DeltaTracker, stream_outputs
 from jaxserve.server.errors import from_value_error
 from jaxserve.server.logprobs import token_logprob_dicts
 from jaxserve.server.protocol import ChatMessage
@@ -74,6 +74,9 @@ class _Turn:
     def feed(self, text: str, token_ids: list[int], final: bool, logprobs=None) -> None:
         first = len(self.token_ids)
         self.token_ids += token_ids
+        end_id = self.state.reasoning_end_id
+        if self._reasoning_end is None and end_id is not None and end_id in token_ids:  # the new tokens only
+            self._reasoning_end = first + token_ids.index(end_id)
         if self.top_logprobs is not None and logprobs is not None:
             entries = token_logprob_dicts(token_ids, logprobs, self.top_logprobs)
             self._pending += [e for i, e in enumerate(entries) if self._is_answer(first + i)]
@@ -108,8 +111,6 @@ class _Turn:
             return True
         if self.reply_state == UNDECIDED and self.token_ids[0] != self.state.reasoning_start_id:
             return True  # a reply that could open a block and did not
-        if self._reasoning_end is None and self.state.reasoning_end_id in self.token_ids:
-            self._reasoning_end = self.token_ids.index(self.state.reasoning_end_id)
         return self._reasoning_end is not None and i > self._reasoning_end
 
     def _reasoning_tokens(self) -> int:
