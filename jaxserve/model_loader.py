@@ -76,16 +76,14 @@ def load_model(
     model, cfg = _load_model(path, fmt, dtype=dtype, attention_fn=attention_fn, seed=seed, shardings_fn=shardings_fn,
                              fp32_matmul_precision=fp32_matmul_precision, progress=progress, quantization=quantization)
     if quantization == "fp8":
-        import jax
-
+        from jaxserve.engine_setup import current_platform
         from jaxserve.models import fp8_weights
 
-        platform = jax.default_backend()
+        platform = current_platform()
         if platform == "cpu":
             logger.warning("quantization='fp8' on the CPU: every product converts its weight back to a float first, "
                            "~7x slower than float32 (BENCHMARKS §48); on a CPU quantization='gguf' is the fast one")
-        fp8_weights.quantize_model(model, fp8_weights.default_mode("gpu" if platform in ("cuda", "rocm") else platform,
-                                                                   num_devices))  # fmt: skip
+        fp8_weights.quantize_model(model, fp8_weights.default_mode(platform, num_devices))
     return model, cfg
 
 

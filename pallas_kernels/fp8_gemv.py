@@ -1,12 +1,12 @@
 """Products of a few rows with float8 (e4m3) weights on the GPU (Pallas, Triton lowering): W8A16 decode products.
 
-A decode step's products are memory-bound: each weight byte is read once for a handful of rows. fp8 weights halve
-the bytes, but XLA's own product of ``x @ convert(w)`` (a Triton GEMM fusion with the conversion inside) reads fp8
-at half the rate it reads bf16, so it gains almost nothing (BENCHMARKS §30). This kernel streams the weight at the
-copy rate instead: every program owns a ``[K / splits, BN]`` panel of ``w [K, N]`` (N contiguous, so each row of
-a tile is one coalesced read), converts each ``[BK, BN]`` tile to the activations' dtype in registers and multiplies
-it on the tensor cores with all M rows at once (M padded to 16, the smallest tile they take). With ``splits`` > 1
-the K range is cut in parts, each program writes float32 partial sums, and one XLA fusion adds the parts, applies
+A decode step's products are memory-bound: each weight byte is read once for a handful of rows, so fp8 weights
+halve the bytes. This kernel was written to stream them at the copy rate, against XLA's own product of
+``x @ convert(w)`` (a Triton GEMM fusion with the conversion inside). Timed on an H100 (BENCHMARKS §48), XLA's product
+won on most shapes, so models/fp8_weights.py runs it by default and this kernel is opt-in. Every program owns a
+``[K / splits, BN]`` panel of ``w [K, N]`` (N contiguous, so each row of a tile is one coalesced read), converts
+each ``[BK, BN]`` tile to the activations' dtype in registers and multiplies it on the tensor cores with all M rows
+at once (M padded to 16, the smallest tile they take). With ``splits`` > 1 the K range is cut in parts, each program writes float32 partial sums, and one XLA fusion adds the parts, applies
 the per-column scale and rounds: enough programs for every SM even where N / BN is small.
 
 ``transposed=True`` takes the weight as ``[N, K]`` (K contiguous), which is how a tied embedding table is the

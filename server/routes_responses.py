@@ -117,8 +117,7 @@ class _Turn:
         """Output tokens up to and including </think> (all of them if the reply never closed its block)."""
         if not any(item["type"] == "reasoning" for item in self.writer.items):
             return 0
-        end_id = self.state.reasoning_end_id
-        return self.token_ids.index(end_id) + 1 if end_id in self.token_ids else len(self.token_ids)
+        return self._reasoning_end + 1 if self._reasoning_end is not None else len(self.token_ids)
 
     def _reply_message(self) -> ChatMessage:
         """The reply as the assistant turn a next request's chat template sees (reasoning left out)."""
