@@ -6,7 +6,8 @@ halve the bytes. This kernel was written to stream them at the copy rate, agains
 won on most shapes, so models/fp8_weights.py runs it by default and this kernel is opt-in. Every program owns a
 ``[K / splits, BN]`` panel of ``w [K, N]`` (N contiguous, so each row of a tile is one coalesced read), converts
 each ``[BK, BN]`` tile to the activations' dtype in registers and multiplies it on the tensor cores with all M rows
-at once (M padded to 16, the smallest tile they take). With ``splits`` > 1 the K range is cut in parts, each program writes float32 partial sums, and one XLA fusion adds the parts, applies
+at once (M padded to 16, the smallest tile they take). With ``splits`` > 1 the K range is cut in parts, each
+program writes float32 partial sums, and one XLA fusion adds the parts, applies
 the per-column scale and rounds: enough programs for every SM even where N / BN is small.
 
 ``transposed=True`` takes the weight as ``[N, K]`` (K contiguous), which is how a tied embedding table is the
